@@ -1,0 +1,196 @@
+"""One data pipeline for every step: images as uint8 tensors in memory, cheap augmentation.
+
+Determinism is the point of this module. The order of the training samples depends only on the
+seed and the epoch (`EpochShuffleSampler` gives exactly the order that `DistributedSampler` splits
+between ranks), and so do the augmentation draws (`ImageDataset.set_epoch`). So the samples of
+optimizer step i are the same whatever the world size, a distributed run can be checked against a
+single-process run, and a resumed run can pick up in the middle of an epoch.
+"""
+
+import os
+import socket
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch.utils.data import Dataset, Sampler
+
+from common.utils import UsageError
+
+CIFAR10_CLASSES = ("airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck")
+
+# Sizes of the generated stand-in data. The test set size is not divisible by 2, 3, 4, 5 or 6,
+# so that an evaluation that pads or drops samples across ranks is caught by `test_samples`.
+SYNTHETIC_TRAIN_SIZE = 2400
+SYNTHETIC_TEST_SIZE = 1001
+
+_CROP_PADDING = 4
+
+
+class ImageDataset(Dataset):
+    """uint8 images (N, C, H, W) and labels held in memory; returns normalised float images.
+
+    With `augment=True`, each image is randomly shifted (zero padding of 4, then a crop back to the
+    original size) and flipped left-right; the draws are a function of (seed, epoch, index) only.
+    Call `set_epoch` before each epoch, like the sampler's.
+    """
+
+    def __init__(self, images, labels, mean, std, augment=False, seed=0):
+        self.images = images
+        self.labels = labels.long()
+        self.mean = mean.view(-1, 1, 1)
+        self.std = std.view(-1, 1, 1)
+        self.augment = augment
+        self.seed = seed
+        self.set_epoch(0)
+
+    def set_epoch(self, epoch):
+        if not self.augment:
+            return
+        generator = torch.Generator().manual_seed(self.seed * 100_003 + epoch)
+        self.shifts = torch.randint(0, 2 * _CROP_PADDING + 1, (len(self), 2), generator=generator)
+        self.flips = torch.rand(len(self), generator=generator) < 0.5
+
+    def __len__(self):
+        return len(self.labels)
+
+    def __getitem__(self, index):
+        image = self.images[index]
+        if self.augment:
+            height, width = image.shape[-2:]
+            top, left = self.shifts[index].tolist()
+            padded = F.pad(image, [_CROP_PADDING] * 4)
+            image = padded[:, top:top + height, left:left + width]
+            if self.flips[index]:
+                image = image.flip(-1)
+        return (image.float() / 255 - self.mean) / self.std, self.labels[index]
+
+
+class EpochShuffleSampler(Sampler):
+    """A new random order every epoch, determined by (seed, epoch): the order `DistributedSampler`
+    uses, so that rank r of W processes sees every W-th sample of exactly this sequence."""
+
+    def __init__(self, dataset, seed=0):
+        self.num_samples = len(dataset)
+        self.seed = seed
+        self.epoch = 0
+
+    def set_epoch(self, epoch):
+        self.epoch = epoch
+
+    def __iter__(self):
+        generator = torch.Generator().manual_seed(self.seed + self.epoch)
+        return iter(torch.randperm(self.num_samples, generator=generator).tolist())
+
+    def __len__(self):
+        return self.num_samples
+
+
+def _channel_stats(images):
+    """Per-channel mean and std of uint8 images (N, C, H, W), in [0, 1] units."""
+    pixels = images.transpose(0, 1).reshape(images.shape[1], -1).double() / 255
+    return pixels.mean(dim=1).float(), pixels.std(dim=1).float()
+
+
+def _datasets(train_images, train_labels, test_images, test_labels, seed):
+    mean, std = _channel_stats(train_images)
+    train_set = ImageDataset(train_images, train_labels, mean, std, augment=True, seed=seed)
+    test_set = ImageDataset(test_images, test_labels, mean, std)
+    return train_set, test_set
+
+
+def make_synthetic(shape, num_train, num_test, num_classes=10, seed=0):
+    """Generated stand-in images: deterministic for `seed`, learnable, never downloaded.
+
+    Each class has a smooth colour pattern; a sample is its class's pattern under a random
+    nuisance pattern, a brightness change and pixel noise, so a small net needs a
+    few hundred steps to separate the classes well, and the first few dozen already beat chance.
+    Returns uint8 images (N, C, H, W) and labels for the train and the test split.
+    """
+    channels, height, width = shape
+    generator = torch.Generator().manual_seed(seed)
+
+    def smooth(count, scale):
+        coarse = torch.randn(count, channels, 4, 4, generator=generator) * scale
+        return F.interpolate(coarse, size=(height, width), mode="bicubic", align_corners=False)
+
+    prototypes = smooth(num_classes, 1.0)
+
+    def split(count):
+        labels = torch.arange(count) % num_classes
+        labels = labels[torch.randperm(count, generator=generator)]
+        images = prototypes[labels] + smooth(count, 1.3)
+        images = images * (1 + 0.3 * torch.randn(count, 1, 1, 1, generator=generator))
+        images = images + 0.8 * torch.randn(images.shape, generator=generator)
+        return (images * 40 + 128).clamp(0, 255).to(torch.uint8), labels
+
+    train_images, train_labels = split(num_train)
+    test_images, test_labels = split(num_test)
+    return train_images, train_labels, test_images, test_labels
+
+
+def _check_data_dir(root):
+    if os.path.exists(root) and not os.path.isdir(root):
+        raise UsageError(f"--data-dir {root} is a file, not a directory")
+
+
+def _cifar10_arrays(root):
+    """The array layout: `train.npz` and `test.npz` holding `images` (N, 32, 32, 3) uint8 and `labels`."""
+    paths = [os.path.join(root, name) for name in ("train.npz", "test.npz")]
+    return paths if all(os.path.isfile(path) for path in paths) else None
+
+
+def download_cifar10(root):
+    """Download CIFAR-10 into `root` if it is not there. Best effort: a failure (no network, say)
+    is reported by `load_cifar10`, which every rank calls, so no rank exits alone."""
+    if os.path.isdir(root) and _cifar10_arrays(root):
+        return
+    import torchvision
+
+    previous_timeout = socket.getdefaulttimeout()
+    socket.setdefaulttimeout(60)  # a network that drops packets would otherwise hang forever
+    try:
+        torchvision.datasets.CIFAR10(root, train=True, download=True)
+        torchvision.datasets.CIFAR10(root, train=False, download=True)
+    except (OSError, RuntimeError):
+        pass
+    finally:
+        socket.setdefaulttimeout(previous_timeout)
+
+
+def load_cifar10(root, synthetic, seed=0):
+    """The CIFAR-10 train and test sets (or the stand-in with `synthetic`), as `ImageDataset`s.
+
+    Reads torchvision's layout (`cifar-10-batches-py/`, as `download_cifar10` leaves it) or the
+    array layout of `_cifar10_arrays`. The training set augments, with draws keyed to `seed`.
+    """
+    if synthetic:
+        return _datasets(*make_synthetic((3, 32, 32), SYNTHETIC_TRAIN_SIZE, SYNTHETIC_TEST_SIZE), seed)
+    _check_data_dir(root)
+    arrays = _cifar10_arrays(root)
+    if arrays:
+        splits = []
+        for path in arrays:
+            with np.load(path) as npz:
+                splits += [torch.from_numpy(npz["images"]).permute(0, 3, 1, 2).contiguous(),
+                           torch.from_numpy(npz["labels"].astype(np.int64))]
+        return _datasets(*splits, seed)
+    import torchvision
+
+    try:
+        train = torchvision.datasets.CIFAR10(root, train=True, download=False)
+        test = torchvision.datasets.CIFAR10(root, train=False, download=False)
+    except RuntimeError:
+        raise UsageError(
+            f"CIFAR-10 is not in {os.path.abspath(root)} and could not be downloaded "
+            "(no network?); download it where there is a network, or use --synthetic"
+        ) from None
+    splits = []
+    for split in (train, test):
+        splits += [torch.from_numpy(split.data).permute(0, 3, 1, 2).contiguous(), torch.tensor(split.targets)]
+    return _datasets(*splits, seed)
+
+
+def num_batches(dataset_size, batch_size):
+    """Optimizer steps per epoch: only full global batches (drop_last), at every world size."""
+    return dataset_size // batch_size

@@ -1,0 +1,55 @@
+"""The models. Every step builds its model here, so weights move freely between steps.
+
+`ResNet9` is the residual network of Page's "How to train your ResNet" (the DAWNBench CIFAR-10
+winner; also the standard small, modern baseline): prep convolution, three stages, two residual
+blocks, global max-pool, one linear layer, logits scaled by 1/8. `width=32` halves the original channels (64): 1.65M
+parameters instead of 6.57M, four times fewer FLOPs, so that a CPU runs tens of steps in seconds
+and the tour stays quick to try, while the net keeps the original's shape. Pass `width=64` for the
+full-size net on GPUs.
+"""
+
+import torch
+from torch import nn
+
+
+def conv_bn_relu(in_channels, out_channels):
+    return nn.Sequential(
+        nn.Conv2d(in_channels, out_channels, kernel_size=3, padding=1, bias=False),
+        nn.BatchNorm2d(out_channels),
+        nn.ReLU(inplace=True),
+    )
+
+
+class Residual(nn.Module):
+    def __init__(self, channels):
+        super().__init__()
+        self.body = nn.Sequential(conv_bn_relu(channels, channels), conv_bn_relu(channels, channels))
+
+    def forward(self, x):
+        return x + self.body(x)
+
+
+class ResNet9(nn.Module):
+    def __init__(self, num_classes=10, width=32):
+        super().__init__()
+        self.prep = conv_bn_relu(3, width)
+        self.layer1 = nn.Sequential(conv_bn_relu(width, 2 * width), nn.MaxPool2d(2), Residual(2 * width))
+        self.layer2 = nn.Sequential(conv_bn_relu(2 * width, 4 * width), nn.MaxPool2d(2))
+        self.layer3 = nn.Sequential(conv_bn_relu(4 * width, 8 * width), nn.MaxPool2d(2), Residual(8 * width))
+        self.head = nn.Sequential(nn.AdaptiveMaxPool2d(1), nn.Flatten(), nn.Linear(8 * width, num_classes))
+
+    def forward(self, x):
+        # The original scales the logits by 1/8: max-pooled features are large, and unscaled logits
+        # make the first steps of SGD at a normal learning rate diverge.
+        return self.head(self.layer3(self.layer2(self.layer1(self.prep(x))))) * 0.125
+
+
+def count_parameters(model):
+    return sum(parameter.numel() for parameter in model.parameters())
+
+
+def load_weights(path):
+    """A `model.pt` written by any step, loaded on the CPU into a fresh `ResNet9`."""
+    model = ResNet9()
+    model.load_state_dict(torch.load(path, map_location="cpu", weights_only=True))
+    return model

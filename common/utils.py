@@ -1,0 +1,139 @@
+"""Helpers that every step uses the same way and that are not the lesson.
+
+Errors, seeding, RNG state, atomic writes and a throughput meter. The distributed helpers live in
+`common/distributed.py`.
+"""
+
+import json
+import os
+import random
+import sys
+import tempfile
+import time
+
+import torch
+import torch.distributed as dist
+
+
+class UsageError(Exception):
+    """Bad input: reported as one line by one process, then a non-zero exit."""
+
+
+def run(main):
+    """Run a script's `main()`; a UsageError becomes one line on stderr (rank 0 only) and exit 2.
+
+    Every rank raises the same UsageError (the checks are deterministic), so every rank exits and
+    none is left waiting in a collective.
+    """
+    try:
+        main()
+    except UsageError as error:
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(f"error: {error}", file=sys.stderr, flush=True)
+        else:
+            # The launcher stops the other ranks as soon as one exits: give rank 0 time to report.
+            time.sleep(2)
+        if dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()
+        sys.exit(2)
+
+
+def seed_everything(seed):
+    """Seed Python and torch (CPU and every GPU) so that a run is repeatable."""
+    random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def get_rng_state():
+    """The random number generator state a checkpoint needs to resume a run exactly."""
+    state = {"python": random.getstate(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state):
+    """Restore `get_rng_state()`'s result (tensors may arrive on a GPU through map_location)."""
+    random.setstate(state["python"])
+    torch.set_rng_state(state["torch"].cpu())
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all([s.cpu() for s in state["cuda"]])
+
+
+def _atomic_write(path, write, mode):
+    """Write through a temporary file in the same directory, then rename it over `path`.
+
+    A crash mid-write leaves the previous file intact: `os.replace` is atomic on POSIX.
+    """
+    directory = os.path.dirname(os.path.abspath(path))
+    os.makedirs(directory, exist_ok=True)
+    fd, tmp_path = tempfile.mkstemp(dir=directory, prefix=f".{os.path.basename(path)}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, mode) as file:
+            write(file)
+            file.flush()
+            os.fsync(file.fileno())
+        os.replace(tmp_path, path)
+    except BaseException:
+        os.unlink(tmp_path)
+        raise
+
+
+def save_atomic(obj, path):
+    """`torch.save(obj, path)`, atomically."""
+    _atomic_write(path, lambda file: torch.save(obj, file), "wb")
+
+
+def write_json(obj, path):
+    """Write `obj` as indented JSON, atomically."""
+    _atomic_write(path, lambda file: file.write(json.dumps(obj, indent=2) + "\n"), "w")
+
+
+def load_checkpoint(path, map_location):
+    """`torch.load` with a clear error for a missing, truncated or corrupt checkpoint."""
+    if not os.path.isfile(path):
+        raise UsageError(f"--resume: no checkpoint at {path}; run once with --save-every first")
+    try:
+        return torch.load(path, map_location=map_location, weights_only=True)
+    except Exception as error:
+        reason = str(error).splitlines()[0] if str(error) else type(error).__name__
+        raise UsageError(f"checkpoint {path} is corrupt or truncated ({reason}); delete it to start over") from None
+
+
+def check_resumable(checkpoint, **expected):
+    """Refuse a checkpoint written with settings that change the step -> batch mapping."""
+    for name, value in expected.items():
+        if checkpoint[name] != value:
+            flag = "--" + name.replace("_", "-")
+            raise UsageError(
+                f"checkpoint was written with {name}={checkpoint[name]}, this run has {value}; "
+                f"resume with the same {flag} or use a new --output-dir"
+            )
+
+
+class Throughput:
+    """Training samples per second, accumulated over the timed spans (evaluation excluded)."""
+
+    def __init__(self):
+        self.samples = 0
+        self.seconds = 0.0
+        self._start = None
+
+    def start(self):
+        self._synchronize()
+        self._start = time.perf_counter()
+
+    def stop(self, samples):
+        self._synchronize()
+        self.seconds += time.perf_counter() - self._start
+        self.samples += samples
+
+    @property
+    def samples_per_second(self):
+        return self.samples / self.seconds if self.seconds else 0.0
+
+    @staticmethod
+    def _synchronize():
+        # GPU work is asynchronous: without a sync the clock stops before the GPU has finished.
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            torch.cuda.synchronize()
