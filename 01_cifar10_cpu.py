@@ -1,0 +1,161 @@
+"""Step 01: the plain PyTorch training loop, on the CPU.
+
+Trains ResNet-9 (common/models.py) on CIFAR-10: shuffle, augment, forward, loss, backward, step.
+Evaluates after every epoch, writes the final weights and metrics, and with --save-every writes
+a checkpoint that --resume continues exactly, even from the middle of an epoch.
+
+Launch:
+    python 01_cifar10_cpu.py                          # CIFAR-10, downloaded into ./data
+    python 01_cifar10_cpu.py --synthetic --epochs 1   # generated stand-in data, offline
+
+Next: 02_cifar10_gpu.py runs the same loop on a GPU, with mixed precision.
+"""
+
+import itertools
+import os
+import time
+
+import torch
+import torch.nn.functional as F
+from torch.utils.data import DataLoader
+from tqdm import tqdm
+
+from common import data, flags, models, utils
+
+
+def parse_args():
+    parser = flags.build_parser(__file__, __doc__, epochs=10, batch_size=256, lr=0.2)
+    args = parser.parse_args()
+    if args.amp != "none":
+        raise utils.UsageError("01 trains in fp32 on the CPU; mixed precision (--amp) starts at step 02")
+    return args
+
+
+def main():
+    args = parse_args()
+    utils.seed_everything(args.seed)
+    device = torch.device("cpu")
+
+    if not args.synthetic:
+        data.download_cifar10(args.data_dir)
+    train_set, test_set = data.load_cifar10(args.data_dir, args.synthetic, seed=args.seed)
+    if args.batch_size > len(train_set):
+        raise utils.UsageError(f"--batch-size {args.batch_size} is larger than the training set ({len(train_set)})")
+    sampler = data.EpochShuffleSampler(train_set, seed=args.seed)
+    # The loader gets its own generator: otherwise every epoch's iterator draws a seed from the
+    # global RNG, and a resumed run's random numbers would no longer match an uninterrupted run's.
+    train_loader = DataLoader(train_set, batch_size=args.batch_size, sampler=sampler, drop_last=True,
+                              num_workers=args.num_workers, generator=torch.Generator().manual_seed(args.seed))
+    test_loader = DataLoader(test_set, batch_size=args.batch_size, num_workers=args.num_workers)
+
+    model = models.ResNet9().to(device)
+    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9, nesterov=True, weight_decay=5e-4)
+    total_steps = args.epochs * len(train_loader)
+    scheduler = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=args.lr, total_steps=total_steps)
+    last_step = min(args.max_steps, total_steps) if args.max_steps else total_steps
+
+    step, start_epoch = 0, 0
+    if args.resume:
+        step, start_epoch = load_checkpoint(args, model, optimizer, scheduler, device)
+
+    meter = utils.Throughput()
+    start_time = time.perf_counter()
+    for epoch in range(start_epoch, args.epochs):
+        sampler.set_epoch(epoch)
+        train_set.set_epoch(epoch)  # augmentation draws depend on (seed, epoch, sample) only
+        meter.start()
+        train_loss, new_step = train_one_epoch(args, model, train_loader, optimizer, scheduler, device,
+                                               epoch, step, last_step)
+        meter.stop((new_step - step) * args.batch_size)
+        step = new_step
+        test_loss, test_accuracy, test_samples = evaluate(model, test_loader, device)
+        print(f"epoch {epoch + 1}/{args.epochs}  step {step}  train_loss {train_loss:.4f}  "
+              f"test_loss {test_loss:.4f}  test_accuracy {test_accuracy:.4f}  "
+              f"samples/s {meter.samples_per_second:.1f}  elapsed {time.perf_counter() - start_time:.1f}s")
+        if step >= last_step:
+            break
+
+    utils.save_atomic(model.state_dict(), os.path.join(args.output_dir, "model.pt"))
+    utils.write_json({
+        "script": os.path.basename(__file__),
+        "data": "synthetic" if args.synthetic else "cifar10",
+        "device": device.type,
+        "amp": args.amp,
+        "world_size": 1,
+        "global_batch_size": args.batch_size,
+        "steps": step,
+        "epochs_completed": step // len(train_loader),
+        "train_loss": train_loss,
+        "test_loss": test_loss,
+        "test_accuracy": test_accuracy,
+        "test_samples": test_samples,
+        "samples_per_second": meter.samples_per_second,
+        "wall_seconds": time.perf_counter() - start_time,
+    }, os.path.join(args.output_dir, "metrics.json"))
+
+
+def train_one_epoch(args, model, loader, optimizer, scheduler, device, epoch, step, last_step):
+    """Train until the end of `epoch` or `last_step`; returns the mean loss and the new step."""
+    model.train()
+    done = step - epoch * len(loader)  # batches of this epoch already trained (resuming mid-epoch)
+    end = min(len(loader), done + last_step - step)
+    loss_sum = torch.zeros((), device=device)
+    progress = tqdm(itertools.islice(loader, done, end), total=end - done, desc=f"epoch {epoch + 1}", leave=False)
+    for images, labels in progress:
+        loss = F.cross_entropy(model(images), labels)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+        scheduler.step()
+        step += 1
+        loss_sum += loss.detach()
+        if step % 10 == 0:
+            progress.set_postfix(loss=f"{loss.item():.3f}")
+        if args.save_every and (step % args.save_every == 0 or step == last_step):
+            save_checkpoint(args, model, optimizer, scheduler, epoch, step)
+    return loss_sum.item() / max(end - done, 1), step
+
+
+@torch.no_grad()
+def evaluate(model, loader, device):
+    """Mean loss and accuracy over the whole test set; returns them and the number of samples."""
+    model.eval()
+    totals = torch.zeros(3, dtype=torch.float64, device=device)  # loss sum, correct, samples
+    for images, labels in loader:
+        logits = model(images)
+        totals[0] += F.cross_entropy(logits.float(), labels, reduction="sum")
+        totals[1] += (logits.argmax(dim=1) == labels).sum()
+        totals[2] += len(labels)
+    loss_sum, correct, samples = totals.tolist()
+    return loss_sum / samples, correct / samples, int(samples)
+
+
+def save_checkpoint(args, model, optimizer, scheduler, epoch, step):
+    """Everything a resumed run needs to continue as if it had never stopped."""
+    utils.save_atomic({
+        "model": model.state_dict(),
+        "optimizer": optimizer.state_dict(),
+        "scheduler": scheduler.state_dict(),
+        "epoch": epoch,
+        "step": step,
+        "rng": utils.get_rng_state(),
+        "batch_size": args.batch_size,
+        "epochs": args.epochs,
+        "seed": args.seed,
+    }, os.path.join(args.output_dir, "checkpoint.pt"))
+
+
+def load_checkpoint(args, model, optimizer, scheduler, device):
+    """Restore `save_checkpoint`'s state; returns the step and the epoch to continue from."""
+    checkpoint = utils.load_checkpoint(os.path.join(args.output_dir, "checkpoint.pt"), map_location=device)
+    utils.check_resumable(checkpoint, batch_size=args.batch_size, epochs=args.epochs, seed=args.seed)
+    model.load_state_dict(checkpoint["model"])
+    optimizer.load_state_dict(checkpoint["optimizer"])
+    scheduler.load_state_dict(checkpoint["scheduler"])
+    utils.set_rng_state(checkpoint["rng"])
+    print(f"resumed from step {checkpoint['step']}")
+    return checkpoint["step"], checkpoint["epoch"]
+
+
+if __name__ == "__main__":
+    utils.run(main)

@@ -1,0 +1,190 @@
+"""Step 03: one process, every GPU of the machine, with `nn.DataParallel`.
+
+New: `nn.DataParallel` wraps the model. Each forward pass splits the batch across the visible GPUs,
+runs a replica of the model on each (in threads of this one process), and gathers the outputs on
+GPU 0, where the loss is computed; backward sums the gradients back onto GPU 0's weights. The
+wrapper holds the model in `.module`: that is what gets saved. Lines new in this step are marked
+`# [03]`, lines from step 02 `# [02]`. Without a GPU it runs on the CPU.
+
+DataParallel is the shortest path to many GPUs, not the fast one: one Python process drives all
+GPUs (the GIL serialises it), and GPU 0 holds the gathered outputs and the optimizer. Step 04 (DDP)
+is what PyTorch recommends; see the README.
+
+Launch:
+    python 03_cifar10_dataparallel.py --amp fp16             # every visible GPU
+    CUDA_VISIBLE_DEVICES=0,1 python 03_cifar10_dataparallel.py   # a chosen subset
+    python 03_cifar10_dataparallel.py --synthetic --epochs 1  # generated stand-in data, offline
+
+Next: 04_cifar10_ddp.py runs one process per GPU instead.
+"""
+
+import itertools
+import os
+import time
+
+import torch
+import torch.nn.functional as F
+from torch import nn  # [03]
+from torch.utils.data import DataLoader
+from tqdm import tqdm
+
+from common import data, flags, models, utils
+
+
+def parse_args():
+    parser = flags.build_parser(__file__, __doc__, epochs=10, batch_size=256, lr=0.2)
+    return parser.parse_args()
+
+
+def main():
+    args = parse_args()
+    utils.seed_everything(args.seed)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # [02]
+    if device.type == "cpu":  # [02]
+        print("no GPU found: training on the CPU")
+    if args.amp == "fp16" and device.type == "cpu":  # [02]
+        raise utils.UsageError("--amp fp16 needs a GPU; on the CPU use --amp bf16 or --amp none")
+    amp_dtype = flags.AMP_DTYPES[args.amp]  # [02] None: plain fp32
+    if args.amp == "bf16" and torch.cuda.device_count() > 1:  # [03]
+        # DataParallel's replica threads inherit autocast's on/off switch but not its dtype (which is
+        # thread-local), so bf16 would silently run as fp16 without a scaler.
+        raise utils.UsageError("--amp bf16 does not reach DataParallel's replicas; use --amp fp16 or step 04")
+
+    if not args.synthetic:
+        data.download_cifar10(args.data_dir)
+    train_set, test_set = data.load_cifar10(args.data_dir, args.synthetic, seed=args.seed)
+    if args.batch_size > len(train_set):
+        raise utils.UsageError(f"--batch-size {args.batch_size} is larger than the training set ({len(train_set)})")
+    sampler = data.EpochShuffleSampler(train_set, seed=args.seed)
+    # The loader gets its own generator: otherwise every epoch's iterator draws a seed from the
+    # global RNG, and a resumed run's random numbers would no longer match an uninterrupted run's.
+    train_loader = DataLoader(train_set, batch_size=args.batch_size, sampler=sampler, drop_last=True,
+                              num_workers=args.num_workers, generator=torch.Generator().manual_seed(args.seed),
+                              pin_memory=device.type == "cuda")  # [02] page-locked batches copy asynchronously
+    test_loader = DataLoader(test_set, batch_size=args.batch_size, num_workers=args.num_workers,
+                             pin_memory=device.type == "cuda")  # [02]
+
+    model = models.ResNet9().to(device)
+    model = nn.DataParallel(model)  # [03] replicates the model onto every visible GPU at each forward
+    print(f"DataParallel over {max(torch.cuda.device_count(), 1)} device(s)")  # [03]
+    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9, nesterov=True, weight_decay=5e-4)
+    total_steps = args.epochs * len(train_loader)
+    scheduler = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=args.lr, total_steps=total_steps)
+    last_step = min(args.max_steps, total_steps) if args.max_steps else total_steps
+    # [02] fp16 gradients can underflow to zero: the scaler multiplies the loss before backward and
+    # divides the gradients after; bf16 has fp32's range and needs none (then it does nothing).
+    scaler = torch.amp.GradScaler(device.type, enabled=args.amp == "fp16")
+
+    step, start_epoch = 0, 0
+    if args.resume:
+        step, start_epoch = load_checkpoint(args, model, optimizer, scheduler, scaler, device)  # [02]
+
+    meter = utils.Throughput()
+    start_time = time.perf_counter()
+    for epoch in range(start_epoch, args.epochs):
+        sampler.set_epoch(epoch)
+        train_set.set_epoch(epoch)  # augmentation draws depend on (seed, epoch, sample) only
+        meter.start()
+        train_loss, new_step = train_one_epoch(args, model, train_loader, optimizer, scheduler, scaler,  # [02]
+                                               device, amp_dtype, epoch, step, last_step)
+        meter.stop((new_step - step) * args.batch_size)
+        step = new_step
+        test_loss, test_accuracy, test_samples = evaluate(model, test_loader, device, amp_dtype)  # [02]
+        print(f"epoch {epoch + 1}/{args.epochs}  step {step}  train_loss {train_loss:.4f}  "
+              f"test_loss {test_loss:.4f}  test_accuracy {test_accuracy:.4f}  "
+              f"samples/s {meter.samples_per_second:.1f}  elapsed {time.perf_counter() - start_time:.1f}s")
+        if step >= last_step:
+            break
+
+    # [03] the weights are in model.module; saving the wrapper would prefix every key with "module."
+    utils.save_atomic(model.module.state_dict(), os.path.join(args.output_dir, "model.pt"))
+    utils.write_json({
+        "script": os.path.basename(__file__),
+        "data": "synthetic" if args.synthetic else "cifar10",
+        "device": device.type,
+        "amp": args.amp,
+        "world_size": 1,
+        "global_batch_size": args.batch_size,
+        "steps": step,
+        "epochs_completed": step // len(train_loader),
+        "train_loss": train_loss,
+        "test_loss": test_loss,
+        "test_accuracy": test_accuracy,
+        "test_samples": test_samples,
+        "samples_per_second": meter.samples_per_second,
+        "wall_seconds": time.perf_counter() - start_time,
+    }, os.path.join(args.output_dir, "metrics.json"))
+
+
+def train_one_epoch(args, model, loader, optimizer, scheduler, scaler, device, amp_dtype, epoch, step, last_step):
+    """Train until the end of `epoch` or `last_step`; returns the mean loss and the new step."""
+    model.train()
+    done = step - epoch * len(loader)  # batches of this epoch already trained (resuming mid-epoch)
+    end = min(len(loader), done + last_step - step)
+    loss_sum = torch.zeros((), device=device)
+    progress = tqdm(itertools.islice(loader, done, end), total=end - done, desc=f"epoch {epoch + 1}", leave=False)
+    for images, labels in progress:
+        images, labels = images.to(device, non_blocking=True), labels.to(device, non_blocking=True)  # [02]
+        with torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None):  # [02]
+            loss = F.cross_entropy(model(images), labels)
+        optimizer.zero_grad(set_to_none=True)
+        scaler.scale(loss).backward()  # [02]
+        scaler.step(optimizer)  # [02] unscales the gradients; skips the step if they overflowed
+        scaler.update()  # [02]
+        scheduler.step()
+        step += 1
+        loss_sum += loss.detach()
+        if step % 10 == 0:
+            progress.set_postfix(loss=f"{loss.item():.3f}")
+        if args.save_every and (step % args.save_every == 0 or step == last_step):
+            save_checkpoint(args, model, optimizer, scheduler, scaler, epoch, step)  # [02]
+    return loss_sum.item() / max(end - done, 1), step
+
+
+@torch.no_grad()
+def evaluate(model, loader, device, amp_dtype):
+    """Mean loss and accuracy over the whole test set; returns them and the number of samples."""
+    model.eval()
+    totals = torch.zeros(3, dtype=torch.float64, device=device)  # loss sum, correct, samples
+    for images, labels in loader:
+        images, labels = images.to(device, non_blocking=True), labels.to(device, non_blocking=True)  # [02]
+        with torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None):  # [02]
+            logits = model(images)
+        totals[0] += F.cross_entropy(logits.float(), labels, reduction="sum")
+        totals[1] += (logits.argmax(dim=1) == labels).sum()
+        totals[2] += len(labels)
+    loss_sum, correct, samples = totals.tolist()
+    return loss_sum / samples, correct / samples, int(samples)
+
+
+def save_checkpoint(args, model, optimizer, scheduler, scaler, epoch, step):
+    """Everything a resumed run needs to continue as if it had never stopped."""
+    utils.save_atomic({
+        "model": model.module.state_dict(),  # [03]
+        "optimizer": optimizer.state_dict(),
+        "scheduler": scheduler.state_dict(),
+        "scaler": scaler.state_dict(),  # [02] the current loss scale
+        "epoch": epoch,
+        "step": step,
+        "rng": utils.get_rng_state(),
+        "batch_size": args.batch_size,
+        "epochs": args.epochs,
+        "seed": args.seed,
+    }, os.path.join(args.output_dir, "checkpoint.pt"))
+
+
+def load_checkpoint(args, model, optimizer, scheduler, scaler, device):
+    """Restore `save_checkpoint`'s state; returns the step and the epoch to continue from."""
+    checkpoint = utils.load_checkpoint(os.path.join(args.output_dir, "checkpoint.pt"), map_location=device)
+    utils.check_resumable(checkpoint, batch_size=args.batch_size, epochs=args.epochs, seed=args.seed)
+    model.module.load_state_dict(checkpoint["model"])  # [03]
+    optimizer.load_state_dict(checkpoint["optimizer"])
+    scheduler.load_state_dict(checkpoint["scheduler"])
+    scaler.load_state_dict(checkpoint["scaler"])  # [02]
+    utils.set_rng_state(checkpoint["rng"])
+    print(f"resumed from step {checkpoint['step']}")
+    return checkpoint["step"], checkpoint["epoch"]
+
+
+if __name__ == "__main__":
+    utils.run(main)
