@@ -1,0 +1,218 @@
+"""Step 04: one process per GPU, with `DistributedDataParallel` (DDP), launched by torchrun.
+
+New (relative to step 02; lines marked `# [04]`): torchrun starts N copies of this script and
+tells each its rank through the environment; each process drives one GPU, reads its own slice of
+every global batch (`DistributedSampler`), and DDP averages the gradients across processes during
+backward, so every replica takes the same optimizer step. Evaluation splits the test set without
+overlap and sums the counts across ranks; rank 0 alone prints and writes files. On machines
+without GPUs the processes use the gloo backend on the CPU.
+
+Launch:
+    torchrun --nproc_per_node=N 04_cifar10_ddp.py --amp bf16           # N GPUs on this machine
+    torchrun --nproc_per_node=2 04_cifar10_ddp.py --synthetic --epochs 1   # CPU (gloo), offline
+    torchrun --nnodes=2 --node_rank=R --nproc_per_node=N --master_addr=HOST --master_port=29500 \
+        04_cifar10_ddp.py                                             # on each of 2 machines
+
+Next: 05_cifar10_deepspeed.py hands the optimizer step, precision and sharding to DeepSpeed.
+"""
+
+import datetime  # [04]
+import itertools
+import os
+import time
+
+import torch
+import torch.distributed as dist  # [04]
+import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel  # [04]
+from torch.utils.data import DataLoader, Subset  # [04]
+from torch.utils.data.distributed import DistributedSampler  # [04]
+from tqdm import tqdm
+
+from common import data, flags, models, utils
+from common.distributed import all_reduce_mean, print0  # [04]
+
+
+def parse_args():
+    parser = flags.build_parser(__file__, __doc__, epochs=10, batch_size=256, lr=0.2)
+    flags.accept_local_rank_argument(parser)  # [04]
+    return parser.parse_args()
+
+
+def main():
+    args = parse_args()
+    utils.seed_everything(args.seed)
+    # [04] torchrun tells each process who it is: its rank among all processes, its rank on this
+    # machine (which GPU to drive) and how many processes there are.
+    if "LOCAL_RANK" not in os.environ:
+        raise utils.UsageError("launch with torchrun, e.g. torchrun --nproc_per_node=2 04_cifar10_ddp.py")
+    rank, local_rank, world_size = (int(os.environ[name]) for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE"))
+    if torch.cuda.is_available():  # [04]
+        torch.cuda.set_device(local_rank)
+        device = torch.device("cuda", local_rank)
+    else:
+        device = torch.device("cpu")
+        print0("no GPU found: training on the CPU with the gloo backend")
+    # [04] a short timeout: a rank that dies or waits for a peer that never comes fails the job in
+    # minutes instead of gloo's default 30.
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=datetime.timedelta(minutes=5))
+    if args.batch_size % world_size:  # [04] --batch-size is global: each process takes an equal share
+        raise utils.UsageError(f"--batch-size {args.batch_size} is not divisible by the world size {world_size}")
+    batch_size = args.batch_size // world_size  # [04]
+    if args.amp == "fp16" and device.type == "cpu":  # [02]
+        raise utils.UsageError("--amp fp16 needs a GPU; on the CPU use --amp bf16 or --amp none")
+    amp_dtype = flags.AMP_DTYPES[args.amp]  # [02] None: plain fp32
+
+    if local_rank == 0 and not args.synthetic:  # [04] one download per machine, never two into one directory
+        data.download_cifar10(args.data_dir)
+    dist.barrier()  # [04] the other ranks wait here until the files are complete
+    train_set, test_set = data.load_cifar10(args.data_dir, args.synthetic, seed=args.seed)
+    if args.batch_size > len(train_set):
+        raise utils.UsageError(f"--batch-size {args.batch_size} is larger than the training set ({len(train_set)})")
+    # [04] every rank shuffles with the same seed and keeps every world_size-th sample: the ranks'
+    # batches are disjoint, and together they are the global batch that 01-03 would take.
+    sampler = DistributedSampler(train_set, num_replicas=world_size, rank=rank, seed=args.seed, drop_last=True)
+    # The loader gets its own generator: otherwise every epoch's iterator draws a seed from the
+    # global RNG, and a resumed run's random numbers would no longer match an uninterrupted run's.
+    train_loader = DataLoader(train_set, batch_size=batch_size, sampler=sampler, drop_last=True,  # [04]
+                              num_workers=args.num_workers, generator=torch.Generator().manual_seed(args.seed),
+                              pin_memory=device.type == "cuda")  # [02] page-locked batches copy asynchronously
+    # [04] each rank evaluates a disjoint slice; not DistributedSampler, which pads the slices to equal
+    # length with repeated samples, so some test samples would be counted twice.
+    test_shard = Subset(test_set, range(rank, len(test_set), world_size))
+    test_loader = DataLoader(test_shard, batch_size=batch_size, num_workers=args.num_workers,
+                             pin_memory=device.type == "cuda")  # [02]
+
+    model = models.ResNet9().to(device)
+    # [04] DDP broadcasts rank 0's weights at start, then all-reduces (averages) the gradients
+    # during backward, so every rank takes the same optimizer step and the replicas stay identical.
+    model = DistributedDataParallel(model, device_ids=[local_rank] if device.type == "cuda" else None)
+    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9, nesterov=True, weight_decay=5e-4)
+    total_steps = args.epochs * len(train_loader)
+    scheduler = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=args.lr, total_steps=total_steps)
+    last_step = min(args.max_steps, total_steps) if args.max_steps else total_steps
+    # [02] fp16 gradients can underflow to zero: the scaler multiplies the loss before backward and
+    # divides the gradients after; bf16 has fp32's range and needs none (then it does nothing).
+    scaler = torch.amp.GradScaler(device.type, enabled=args.amp == "fp16")
+
+    step, start_epoch = 0, 0
+    if args.resume:
+        step, start_epoch = load_checkpoint(args, model, optimizer, scheduler, scaler, device)  # [02]
+
+    meter = utils.Throughput()
+    start_time = time.perf_counter()
+    for epoch in range(start_epoch, args.epochs):
+        sampler.set_epoch(epoch)  # [04] without it, DistributedSampler repeats epoch 0's order forever
+        train_set.set_epoch(epoch)  # augmentation draws depend on (seed, epoch, sample) only
+        meter.start()
+        train_loss, new_step = train_one_epoch(args, model, train_loader, optimizer, scheduler, scaler,  # [02]
+                                               device, amp_dtype, epoch, step, last_step)
+        meter.stop((new_step - step) * args.batch_size)
+        step = new_step
+        test_loss, test_accuracy, test_samples = evaluate(model, test_loader, device, amp_dtype)  # [02]
+        print0(f"epoch {epoch + 1}/{args.epochs}  step {step}  train_loss {train_loss:.4f}  "
+              f"test_loss {test_loss:.4f}  test_accuracy {test_accuracy:.4f}  "
+              f"samples/s {meter.samples_per_second:.1f}  elapsed {time.perf_counter() - start_time:.1f}s")
+        if step >= last_step:
+            break
+
+    if rank == 0:  # [04] one writer; no collective may run in here, or the other ranks would never join it
+        # [04] the weights are in model.module; saving the wrapper would prefix every key with "module."
+        utils.save_atomic(model.module.state_dict(), os.path.join(args.output_dir, "model.pt"))
+        utils.write_json({
+            "script": os.path.basename(__file__),
+            "data": "synthetic" if args.synthetic else "cifar10",
+            "device": device.type,
+            "amp": args.amp,
+            "world_size": world_size,  # [04]
+            "global_batch_size": args.batch_size,
+            "steps": step,
+            "epochs_completed": step // len(train_loader),
+            "train_loss": train_loss,
+            "test_loss": test_loss,
+            "test_accuracy": test_accuracy,
+            "test_samples": test_samples,
+            "samples_per_second": meter.samples_per_second,
+            "wall_seconds": time.perf_counter() - start_time,
+        }, os.path.join(args.output_dir, "metrics.json"))
+    # [04] leave together: a rank that tears down its connections while rank 0 is still writing
+    # can abort (gloo) instead of exiting cleanly.
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def train_one_epoch(args, model, loader, optimizer, scheduler, scaler, device, amp_dtype, epoch, step, last_step):
+    """Train until the end of `epoch` or `last_step`; returns the mean loss and the new step."""
+    model.train()
+    done = step - epoch * len(loader)  # batches of this epoch already trained (resuming mid-epoch)
+    end = min(len(loader), done + last_step - step)
+    loss_sum = torch.zeros((), device=device)
+    progress = tqdm(itertools.islice(loader, done, end), total=end - done, desc=f"epoch {epoch + 1}", leave=False,
+                    disable=dist.get_rank() != 0)  # [04]
+    for images, labels in progress:
+        images, labels = images.to(device, non_blocking=True), labels.to(device, non_blocking=True)  # [02]
+        with torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None):  # [02]
+            loss = F.cross_entropy(model(images), labels)
+        optimizer.zero_grad(set_to_none=True)
+        scaler.scale(loss).backward()  # [02]
+        scaler.step(optimizer)  # [02] unscales the gradients; skips the step if they overflowed
+        scaler.update()  # [02]
+        scheduler.step()
+        step += 1
+        loss_sum += loss.detach()
+        if step % 10 == 0:
+            # [04] the mean over ranks; every rank must run the all-reduce, not only rank 0 that shows it
+            progress.set_postfix(loss=f"{all_reduce_mean(loss).item():.3f}")
+        if args.save_every and (step % args.save_every == 0 or step == last_step) and dist.get_rank() == 0:  # [04]
+            save_checkpoint(args, model, optimizer, scheduler, scaler, epoch, step)  # [02]
+    return all_reduce_mean(loss_sum).item() / max(end - done, 1), step  # [04]
+
+
+@torch.no_grad()
+def evaluate(model, loader, device, amp_dtype):
+    """Mean loss and accuracy over the whole test set; returns them and the number of samples."""
+    model.eval()
+    totals = torch.zeros(3, dtype=torch.float64, device=device)  # loss sum, correct, samples
+    for images, labels in loader:
+        images, labels = images.to(device, non_blocking=True), labels.to(device, non_blocking=True)  # [02]
+        with torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None):  # [02]
+            logits = model(images)
+        totals[0] += F.cross_entropy(logits.float(), labels, reduction="sum")
+        totals[1] += (logits.argmax(dim=1) == labels).sum()
+        totals[2] += len(labels)
+    dist.all_reduce(totals)  # [04] sums over ranks: each holds the totals of its own slice
+    loss_sum, correct, samples = totals.tolist()
+    return loss_sum / samples, correct / samples, int(samples)
+
+
+def save_checkpoint(args, model, optimizer, scheduler, scaler, epoch, step):
+    """Everything a resumed run needs to continue as if it had never stopped."""
+    utils.save_atomic({
+        "model": model.module.state_dict(),  # [04]
+        "optimizer": optimizer.state_dict(),
+        "scheduler": scheduler.state_dict(),
+        "scaler": scaler.state_dict(),  # [02] the current loss scale
+        "epoch": epoch,
+        "step": step,
+        "rng": utils.get_rng_state(),
+        "batch_size": args.batch_size,
+        "epochs": args.epochs,
+        "seed": args.seed,
+    }, os.path.join(args.output_dir, "checkpoint.pt"))
+
+
+def load_checkpoint(args, model, optimizer, scheduler, scaler, device):
+    """Restore `save_checkpoint`'s state; returns the step and the epoch to continue from."""
+    checkpoint = utils.load_checkpoint(os.path.join(args.output_dir, "checkpoint.pt"), map_location=device)
+    utils.check_resumable(checkpoint, batch_size=args.batch_size, epochs=args.epochs, seed=args.seed)
+    model.module.load_state_dict(checkpoint["model"])  # [04]
+    optimizer.load_state_dict(checkpoint["optimizer"])
+    scheduler.load_state_dict(checkpoint["scheduler"])
+    scaler.load_state_dict(checkpoint["scaler"])  # [02]
+    utils.set_rng_state(checkpoint["rng"])
+    print0(f"resumed from step {checkpoint['step']}")
+    return checkpoint["step"], checkpoint["epoch"]
+
+
+if __name__ == "__main__":
+    utils.run(main)
