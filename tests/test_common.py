@@ -1,0 +1,111 @@
+"""The shared pipeline: deterministic data, world-size-independent order, atomic writes."""
+
+import numpy as np
+import pytest
+import torch
+from torch.utils.data.distributed import DistributedSampler
+
+from common import data, models, utils
+
+
+@pytest.fixture(scope="module")
+def synthetic():
+    return data.load_cifar10(None, synthetic=True, seed=0)
+
+
+def test_synthetic_data_is_deterministic_and_cifar_shaped(synthetic):
+    train_set, test_set = synthetic
+    again, _ = data.load_cifar10(None, synthetic=True, seed=0)
+    assert torch.equal(train_set.images, again.images) and torch.equal(train_set.labels, again.labels)
+    assert train_set.images.shape == (data.SYNTHETIC_TRAIN_SIZE, 3, 32, 32)
+    assert train_set.images.dtype == torch.uint8
+    assert sorted(train_set.labels.unique().tolist()) == list(range(10))
+    image, label = test_set[0]
+    assert image.shape == (3, 32, 32) and image.dtype == torch.float32
+    # Padding mistakes in distributed evaluation must change the count at 2, 3 or 4 processes.
+    assert all(len(test_set) % world_size for world_size in (2, 3, 4))
+
+
+@pytest.mark.parametrize("world_size", [2, 3, 4])
+def test_global_batches_do_not_depend_on_world_size(world_size):
+    """Step i's global batch holds the same samples at any world size (DistributedSampler + drop_last)."""
+    dataset = range(1001)
+    global_batch, epoch = 24, 3
+    single = data.EpochShuffleSampler(dataset, seed=7)
+    single.set_epoch(epoch)
+    order = list(single)
+    per_rank = []
+    for rank in range(world_size):
+        sampler = DistributedSampler(dataset, num_replicas=world_size, rank=rank, seed=7, drop_last=True)
+        sampler.set_epoch(epoch)
+        per_rank.append(list(sampler))
+    local = global_batch // world_size
+    for step in range(len(dataset) // global_batch):
+        distributed = sorted(i for indices in per_rank for i in indices[step * local:(step + 1) * local])
+        assert distributed == sorted(order[step * global_batch:(step + 1) * global_batch])
+
+
+def test_augmentation_depends_on_seed_epoch_and_index_only(synthetic):
+    train_set, _ = synthetic
+    train_set.set_epoch(5)
+    first = [train_set[i][0] for i in range(8)]
+    train_set.set_epoch(6)
+    other_epoch = [train_set[i][0] for i in range(8)]
+    fresh, _ = data.load_cifar10(None, synthetic=True, seed=0)
+    fresh.set_epoch(5)
+    assert all(torch.equal(a, fresh[i][0]) for i, a in enumerate(first))
+    assert not all(torch.equal(a, b) for a, b in zip(first, other_epoch, strict=True))
+
+
+def test_array_layout_loads_real_images(tmp_path):
+    rng = np.random.default_rng(0)
+    for name, count in (("train", 50), ("test", 7)):
+        np.savez(tmp_path / f"{name}.npz", images=rng.integers(0, 256, (count, 32, 32, 3), dtype=np.uint8),
+                 labels=rng.integers(0, 10, count, dtype=np.uint8))
+    train_set, test_set = data.load_cifar10(str(tmp_path), synthetic=False)
+    assert (len(train_set), len(test_set)) == (50, 7)
+    with np.load(tmp_path / "train.npz") as arrays:
+        assert torch.equal(train_set.images[3], torch.from_numpy(arrays["images"][3]).permute(2, 0, 1))
+
+
+def test_missing_data_names_the_directory_and_synthetic(tmp_path):
+    with pytest.raises(utils.UsageError, match="--synthetic") as error:
+        data.load_cifar10(str(tmp_path), synthetic=False)
+    assert str(tmp_path) in str(error.value)
+
+
+def test_atomic_save_keeps_the_previous_file_when_a_write_crashes(tmp_path, monkeypatch):
+    path = tmp_path / "checkpoint.pt"
+    utils.save_atomic({"step": 1}, path)
+
+    def crash_mid_write(obj, file):
+        file.write(b"half a checkpoint")
+        raise KeyboardInterrupt  # as if the process were interrupted while writing
+
+    monkeypatch.setattr(torch, "save", crash_mid_write)
+    with pytest.raises(KeyboardInterrupt):
+        utils.save_atomic({"step": 2}, path)
+    monkeypatch.undo()
+    assert utils.load_checkpoint(path, map_location="cpu") == {"step": 1}
+    assert [p.name for p in tmp_path.iterdir()] == ["checkpoint.pt"]  # no temporary file left behind
+
+
+@pytest.mark.parametrize("damage", ["truncate", "garbage"])
+def test_damaged_checkpoint_is_a_clear_error(tmp_path, damage):
+    path = tmp_path / "checkpoint.pt"
+    utils.save_atomic({"model": models.ResNet9().state_dict()}, path)
+    content = path.read_bytes()
+    path.write_bytes(content[: len(content) // 2] if damage == "truncate" else b"not a checkpoint" * 10)
+    with pytest.raises(utils.UsageError, match="corrupt or truncated"):
+        utils.load_checkpoint(path, map_location="cpu")
+
+
+def test_checkpoint_from_other_settings_is_refused():
+    with pytest.raises(utils.UsageError, match="--batch-size"):
+        utils.check_resumable({"batch_size": 256, "epochs": 10}, batch_size=128, epochs=10)
+
+
+def test_model_is_the_documented_size_and_shape():
+    model = models.ResNet9()
+    assert models.count_parameters(model) == 1_646_122
+    assert model(torch.zeros(2, 3, 32, 32)).shape == (2, 10)
