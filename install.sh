@@ -1,0 +1,14 @@
+#!/usr/bin/env bash
+# Creates .venv (if it is not there) and installs the pinned requirements into it.
+#   bash install.sh         what the tour needs
+#   bash install.sh --dev   and what the tests need
+set -euo pipefail
+cd "$(dirname "$0")"
+python=${PYTHON:-python3}
+[ -x .venv/bin/python ] || "$python" -m venv .venv
+pip=(.venv/bin/python -m pip install --quiet --disable-pip-version-check)
+"${pip[@]}" -r requirements.txt
+if [ "${1:-}" = "--dev" ]; then
+    "${pip[@]}" -r requirements-dev.txt
+fi
+.venv/bin/python -c "import torch, torchvision; print(f'torch {torch.__version__}, torchvision {torchvision.__version__}, CUDA available: {torch.cuda.is_available()}')"
