@@ -75,8 +75,7 @@ def main():
         if step >= last_step:
             break
 
-    utils.save_atomic(model.state_dict(), os.path.join(args.output_dir, "model.pt"))
-    utils.write_json({
+    metrics = {
         "script": os.path.basename(__file__),
         "data": "synthetic" if args.synthetic else "cifar10",
         "device": device.type,
@@ -91,7 +90,9 @@ def main():
         "test_samples": test_samples,
         "samples_per_second": meter.samples_per_second,
         "wall_seconds": time.perf_counter() - start_time,
-    }, os.path.join(args.output_dir, "metrics.json"))
+    }
+    utils.save_atomic(model.state_dict(), os.path.join(args.output_dir, "model.pt"))
+    utils.write_json(metrics, os.path.join(args.output_dir, "metrics.json"))
 
 
 def train_one_epoch(args, model, loader, optimizer, scheduler, device, epoch, step, last_step):

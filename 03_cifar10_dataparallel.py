@@ -96,9 +96,7 @@ def main():
         if step >= last_step:
             break
 
-    # [03] the weights are in model.module; saving the wrapper would prefix every key with "module."
-    utils.save_atomic(model.module.state_dict(), os.path.join(args.output_dir, "model.pt"))
-    utils.write_json({
+    metrics = {
         "script": os.path.basename(__file__),
         "data": "synthetic" if args.synthetic else "cifar10",
         "device": device.type,
@@ -113,7 +111,10 @@ def main():
         "test_samples": test_samples,
         "samples_per_second": meter.samples_per_second,
         "wall_seconds": time.perf_counter() - start_time,
-    }, os.path.join(args.output_dir, "metrics.json"))
+    }
+    # [03] the weights are in model.module; saving the wrapper would prefix every key with "module."
+    utils.save_atomic(model.module.state_dict(), os.path.join(args.output_dir, "model.pt"))
+    utils.write_json(metrics, os.path.join(args.output_dir, "metrics.json"))
 
 
 def train_one_epoch(args, model, loader, optimizer, scheduler, scaler, device, amp_dtype, epoch, step, last_step):

@@ -116,25 +116,26 @@ def main():
         if step >= last_step:
             break
 
+    metrics = {
+        "script": os.path.basename(__file__),
+        "data": "synthetic" if args.synthetic else "cifar10",
+        "device": device.type,
+        "amp": args.amp,
+        "world_size": world_size,  # [04]
+        "global_batch_size": args.batch_size,
+        "steps": step,
+        "epochs_completed": step // len(train_loader),
+        "train_loss": train_loss,
+        "test_loss": test_loss,
+        "test_accuracy": test_accuracy,
+        "test_samples": test_samples,
+        "samples_per_second": meter.samples_per_second,
+        "wall_seconds": time.perf_counter() - start_time,
+    }
     if rank == 0:  # [04] one writer; no collective may run in here, or the other ranks would never join it
         # [04] the weights are in model.module; saving the wrapper would prefix every key with "module."
         utils.save_atomic(model.module.state_dict(), os.path.join(args.output_dir, "model.pt"))
-        utils.write_json({
-            "script": os.path.basename(__file__),
-            "data": "synthetic" if args.synthetic else "cifar10",
-            "device": device.type,
-            "amp": args.amp,
-            "world_size": world_size,  # [04]
-            "global_batch_size": args.batch_size,
-            "steps": step,
-            "epochs_completed": step // len(train_loader),
-            "train_loss": train_loss,
-            "test_loss": test_loss,
-            "test_accuracy": test_accuracy,
-            "test_samples": test_samples,
-            "samples_per_second": meter.samples_per_second,
-            "wall_seconds": time.perf_counter() - start_time,
-        }, os.path.join(args.output_dir, "metrics.json"))
+        utils.write_json(metrics, os.path.join(args.output_dir, "metrics.json"))
     # [04] leave together: a rank that tears down its connections while rank 0 is still writing
     # can abort (gloo) instead of exiting cleanly.
     dist.barrier()
