@@ -1,0 +1,79 @@
+"""Training throughput of every step, measured back to back in one run, as a table with ratios.
+
+    python benchmarks/throughput.py                    # synthetic data
+    python benchmarks/throughput.py --real-cifar10     # real CIFAR-10 images from ../shared/data
+
+Each step trains for --max-steps steps with the same global batch and reports `samples_per_second`
+from its metrics.json (training only: evaluation excluded). Multi-process steps run on this machine
+with --nproc processes (gloo on CPUs, nccl on GPUs). With --real-cifar10 the steps read the
+array layout (`train.npz`, `test.npz`) that common/data.py accepts, made of symbolic links to
+../shared/data/cifar10 (the full training set and the first 1,017 official test images).
+"""
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+SHARED_CIFAR10 = ROOT.parent / "shared" / "data" / "cifar10"
+BIN = Path(sys.executable).parent
+
+
+def launch_commands(nproc):
+    torchrun = [str(BIN / "torchrun"), "--standalone", f"--nproc_per_node={nproc}"]
+    return {
+        "01_cifar10_cpu.py": [sys.executable, "01_cifar10_cpu.py"],
+        "02_cifar10_gpu.py": [sys.executable, "02_cifar10_gpu.py"],
+        "03_cifar10_dataparallel.py": [sys.executable, "03_cifar10_dataparallel.py"],
+        "04_cifar10_ddp.py": [*torchrun, "04_cifar10_ddp.py"],
+    }
+
+
+def real_cifar10_dir(scratch):
+    """A `--data-dir` in the array layout, linking to the real images in ../shared/data/cifar10."""
+    if not SHARED_CIFAR10.is_dir():
+        sys.exit(f"error: {SHARED_CIFAR10} not found: --real-cifar10 needs ../shared/data beside the repository")
+    os.symlink(SHARED_CIFAR10 / "train.npz", scratch / "train.npz")
+    os.symlink(SHARED_CIFAR10 / "test_first1017.npz", scratch / "test.npz")
+    return scratch
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--real-cifar10", action="store_true", help="real CIFAR-10 images from ../shared/data")
+    parser.add_argument("--batch-size", type=int, default=128, help="global batch size")
+    parser.add_argument("--max-steps", type=int, default=40)
+    parser.add_argument("--nproc", type=int, default=2, help="processes for the multi-process steps")
+    parser.add_argument("--steps", nargs="*", help="only these scripts")
+    args = parser.parse_args()
+
+    with tempfile.TemporaryDirectory() as scratch:
+        scratch = Path(scratch)
+        data = ["--data-dir", str(real_cifar10_dir(scratch))] if args.real_cifar10 else ["--synthetic"]
+        common = [*data, "--batch-size", str(args.batch_size), "--max-steps", str(args.max_steps),
+                  "--epochs", "1", "--num-workers", "0"]
+        env = {**os.environ, "GLOO_SOCKET_IFNAME": os.environ.get("GLOO_SOCKET_IFNAME", "lo")}
+        results = {}
+        for script, command in launch_commands(args.nproc).items():
+            if args.steps and script not in args.steps:
+                continue
+            output_dir = scratch / script
+            subprocess.run([*command, *common, "--output-dir", str(output_dir)], cwd=ROOT, env=env, check=True,
+                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            results[script] = json.loads((output_dir / "metrics.json").read_text())
+
+    baseline = next(iter(results.values()))["samples_per_second"]
+    print(f"data: {'CIFAR-10 (real images)' if args.real_cifar10 else 'synthetic'}, global batch "
+          f"{args.batch_size}, {args.max_steps} steps, {os.cpu_count()} CPU cores")
+    print(f"{'script':<28} {'device':<6} {'world':>5} {'samples/s':>10} {'vs first':>9}")
+    for script, metrics in results.items():
+        print(f"{script:<28} {metrics['device']:<6} {metrics['world_size']:>5} "
+              f"{metrics['samples_per_second']:>10.1f} {metrics['samples_per_second'] / baseline:>9.2f}")
+
+
+if __name__ == "__main__":
+    main()
