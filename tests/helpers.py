@@ -2,6 +2,7 @@
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -109,3 +110,15 @@ def assert_same_weights(path_a, path_b):
     assert a.keys() == b.keys()
     different = [name for name in a if not torch.equal(a[name], b[name])]
     assert not different, f"{len(different)} tensors differ, first: {different[:3]}"
+
+
+def mnist_data_dir(tmp_path):
+    """A fresh --data-dir holding only the official MNIST archives (from ../shared/data), as
+    torchvision's download leaves them: loading then runs torchvision's real path (md5 check,
+    extraction), offline. Skips the test where ../shared is absent (a user's checkout)."""
+    archives = SHARED_DATA / "MNIST" / "raw"
+    if not archives.is_dir():
+        pytest.skip(f"the MNIST archives are not in {archives}: the tests need ../shared/data beside the checkout")
+    data_dir = tmp_path / "data"
+    shutil.copytree(archives, data_dir / "MNIST" / "raw")
+    return data_dir
