@@ -37,6 +37,15 @@ def torchrun(nproc, script, *args):
     return [str(BIN / "torchrun"), "--standalone", f"--nproc_per_node={nproc}", script, *map(str, args)]
 
 
+def accelerate_launch(nproc, script, *args, config_precision=ON_GPU):
+    """`accelerate launch` with the repository's config, as the README says. Its fp16 needs a GPU: on
+    a CPU machine it is overridden unless `config_precision`. Port 0: a free port, so concurrent jobs
+    cannot collide."""
+    return [str(BIN / "accelerate"), "launch", "--config_file", "accelerate_config.yaml", "--num_processes", str(nproc),
+            "--main_process_port", "0", *([] if config_precision else ["--mixed_precision", "no"]),
+            script, *map(str, args)]
+
+
 def _descendants(pid):
     """Every process below `pid` (torchrun starts its workers in sessions of their own)."""
     children = {}
