@@ -11,4 +11,6 @@ python 01_cifar10_cpu.py "${args[@]}"
 python 02_cifar10_gpu.py "${args[@]}"
 python 03_cifar10_dataparallel.py "${args[@]}"
 torchrun --standalone --nproc_per_node=2 04_cifar10_ddp.py "${args[@]}"
+# AdamW, so not the SGD learning rate above; a CPU machine runs the same command (gloo).
+torchrun --standalone --nproc_per_node=2 06_mnist_accelerate.py --synthetic --epochs 2 --batch-size 64
 echo "tour finished: outputs in runs/"

@@ -1,5 +1,8 @@
 """One data pipeline for every step: images as uint8 tensors in memory, cheap augmentation.
 
+CIFAR-10 for steps 01-05, MNIST for step 06; both through torchvision, both with a generated
+stand-in of the same shape (`--synthetic`).
+
 Determinism is the point of this module. The order of the training samples depends only on the
 seed and the epoch (`EpochShuffleSampler` gives exactly the order that `DistributedSampler` splits
 between ranks), and so do the augmentation draws (`ImageDataset.set_epoch`). So the samples of
@@ -18,6 +21,8 @@ from torch.utils.data import Dataset, Sampler
 from common.utils import UsageError
 
 CIFAR10_CLASSES = ("airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck")
+CIFAR10_SHAPE = (3, 32, 32)
+MNIST_SHAPE = (1, 28, 28)
 
 # Sizes of the generated stand-in data. The test set size is not divisible by 2, 3, 4, 5 or 6,
 # so that an evaluation that pads or drops samples across ranks is caught by `test_samples`.
@@ -92,9 +97,9 @@ def _channel_stats(images):
     return pixels.mean(dim=1).float(), pixels.std(dim=1).float()
 
 
-def _datasets(train_images, train_labels, test_images, test_labels, seed):
+def _datasets(train_images, train_labels, test_images, test_labels, seed, augment=True):
     mean, std = _channel_stats(train_images)
-    train_set = ImageDataset(train_images, train_labels, mean, std, augment=True, seed=seed)
+    train_set = ImageDataset(train_images, train_labels, mean, std, augment=augment, seed=seed)
     test_set = ImageDataset(test_images, test_labels, mean, std)
     return train_set, test_set
 
@@ -140,22 +145,38 @@ def _cifar10_arrays(root):
     return paths if all(os.path.isfile(path) for path in paths) else None
 
 
-def download_cifar10(root):
-    """Download CIFAR-10 into `root` if it is not there. Best effort: a failure (no network, say)
-    is reported by `load_cifar10`, which every rank calls, so no rank exits alone."""
-    if os.path.isdir(root) and _cifar10_arrays(root):
-        return
-    import torchvision
-
+def _download(dataset_class, root):
+    """Best effort: a failure (no network, say) is reported by the `load_*` function, which every
+    rank calls, so no rank exits alone."""
     previous_timeout = socket.getdefaulttimeout()
     socket.setdefaulttimeout(60)  # a network that drops packets would otherwise hang forever
     try:
-        torchvision.datasets.CIFAR10(root, train=True, download=True)
-        torchvision.datasets.CIFAR10(root, train=False, download=True)
+        dataset_class(root, train=True, download=True)
+        dataset_class(root, train=False, download=True)
     except (OSError, RuntimeError):
         pass
     finally:
         socket.setdefaulttimeout(previous_timeout)
+
+
+def _torchvision_splits(dataset_class, name, root):
+    """torchvision's train and test split, already on disk; a clear error when they are not."""
+    try:
+        return dataset_class(root, train=True, download=False), dataset_class(root, train=False, download=False)
+    except RuntimeError:
+        raise UsageError(
+            f"{name} is not in {os.path.abspath(root)} and could not be downloaded "
+            "(no network?); download it where there is a network, or use --synthetic"
+        ) from None
+
+
+def download_cifar10(root):
+    """Download CIFAR-10 into `root` if it is not there (best effort, see `_download`)."""
+    if os.path.isdir(root) and _cifar10_arrays(root):
+        return
+    import torchvision
+
+    _download(torchvision.datasets.CIFAR10, root)
 
 
 def load_cifar10(root, synthetic, seed=0):
@@ -165,7 +186,7 @@ def load_cifar10(root, synthetic, seed=0):
     array layout of `_cifar10_arrays`. The training set augments, with draws keyed to `seed`.
     """
     if synthetic:
-        return _datasets(*make_synthetic((3, 32, 32), SYNTHETIC_TRAIN_SIZE, SYNTHETIC_TEST_SIZE), seed)
+        return _datasets(*make_synthetic(CIFAR10_SHAPE, SYNTHETIC_TRAIN_SIZE, SYNTHETIC_TEST_SIZE), seed)
     _check_data_dir(root)
     arrays = _cifar10_arrays(root)
     if arrays:
@@ -177,18 +198,37 @@ def load_cifar10(root, synthetic, seed=0):
         return _datasets(*splits, seed)
     import torchvision
 
-    try:
-        train = torchvision.datasets.CIFAR10(root, train=True, download=False)
-        test = torchvision.datasets.CIFAR10(root, train=False, download=False)
-    except RuntimeError:
-        raise UsageError(
-            f"CIFAR-10 is not in {os.path.abspath(root)} and could not be downloaded "
-            "(no network?); download it where there is a network, or use --synthetic"
-        ) from None
     splits = []
-    for split in (train, test):
+    for split in _torchvision_splits(torchvision.datasets.CIFAR10, "CIFAR-10", root):
         splits += [torch.from_numpy(split.data).permute(0, 3, 1, 2).contiguous(), torch.tensor(split.targets)]
     return _datasets(*splits, seed)
+
+
+def download_mnist(root):
+    """Download MNIST into `root` (as `root/MNIST/raw/`) if it is not there (best effort, see
+    `_download`). With the four official archives already in `root/MNIST/raw/`, torchvision checks
+    their md5 and extracts them, offline."""
+    import torchvision
+
+    _download(torchvision.datasets.MNIST, root)
+
+
+def load_mnist(root, synthetic, seed=0):
+    """The MNIST train and test sets (or an MNIST-shaped stand-in with `synthetic`), as `ImageDataset`s.
+
+    Reads torchvision's layout (`MNIST/raw/`, as `download_mnist` leaves it). No augmentation, as in
+    PyTorch's MNIST example: the small CNN reaches 98% in one epoch on the plain digits, and a
+    left-right flip would turn some digits into others.
+    """
+    if synthetic:
+        return _datasets(*make_synthetic(MNIST_SHAPE, SYNTHETIC_TRAIN_SIZE, SYNTHETIC_TEST_SIZE), seed, augment=False)
+    _check_data_dir(root)
+    import torchvision
+
+    splits = []
+    for split in _torchvision_splits(torchvision.datasets.MNIST, "MNIST", root):
+        splits += [split.data.unsqueeze(1), split.targets]  # uint8 (N, 28, 28) -> (N, 1, 28, 28)
+    return _datasets(*splits, seed, augment=False)
 
 
 def num_batches(dataset_size, batch_size):

@@ -6,9 +6,13 @@ blocks, global max-pool, one linear layer, logits scaled by 1/8. `width=32` halv
 parameters instead of 6.57M, four times fewer FLOPs, so that a CPU runs tens of steps in seconds
 and the tour stays quick to try, while the net keeps the original's shape. Pass `width=64` for the
 full-size net on GPUs.
+
+`MnistCNN` is the small convolutional net of PyTorch's MNIST example, as the seed article uses it for
+step 06: two 3x3 convolutions (32 and 64 channels), a max-pool, dropout, two linear layers.
 """
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 
@@ -44,12 +48,29 @@ class ResNet9(nn.Module):
         return self.head(self.layer3(self.layer2(self.layer1(self.prep(x))))) * 0.125
 
 
+class MnistCNN(nn.Module):
+    def __init__(self, num_classes=10):
+        super().__init__()
+        self.conv1 = nn.Conv2d(1, 32, kernel_size=3)  # 28x28 -> 26x26
+        self.conv2 = nn.Conv2d(32, 64, kernel_size=3)  # -> 24x24, max-pooled to 12x12
+        self.dropout1 = nn.Dropout(0.25)
+        self.dropout2 = nn.Dropout(0.5)
+        self.fc1 = nn.Linear(64 * 12 * 12, 128)
+        self.fc2 = nn.Linear(128, num_classes)
+
+    def forward(self, x):
+        x = F.max_pool2d(F.relu(self.conv2(F.relu(self.conv1(x)))), 2)
+        x = F.relu(self.fc1(torch.flatten(self.dropout1(x), 1)))
+        return self.fc2(self.dropout2(x))  # logits (the example's log_softmax is inside F.cross_entropy)
+
+
 def count_parameters(model):
     return sum(parameter.numel() for parameter in model.parameters())
 
 
-def load_weights(path):
-    """A `model.pt` written by any step, loaded on the CPU into a fresh `ResNet9`."""
-    model = ResNet9()
+def load_weights(path, model_class=ResNet9):
+    """A `model.pt` written by any step, loaded on the CPU into a fresh `model_class` (`ResNet9` for
+    the CIFAR-10 steps 01-05, `MnistCNN` for step 06)."""
+    model = model_class()
     model.load_state_dict(torch.load(path, map_location="cpu", weights_only=True))
     return model

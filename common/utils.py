@@ -100,11 +100,16 @@ def load_checkpoint(path, map_location):
         raise UsageError(f"checkpoint {path} is corrupt or truncated ({reason}); delete it to start over") from None
 
 
+# Settings that check_resumable compares but that are not flags: how the error message names them.
+_NOT_FLAGS = {"world_size": "number of processes"}
+
+
 def check_resumable(checkpoint, **expected):
-    """Refuse a checkpoint written with settings that change the step -> batch mapping."""
+    """Refuse a checkpoint written with settings that change the step -> batch mapping (or, where
+    each process saves its own random state, the number of processes)."""
     for name, value in expected.items():
         if checkpoint[name] != value:
-            flag = "--" + name.replace("_", "-")
+            flag = _NOT_FLAGS.get(name, "--" + name.replace("_", "-"))
             raise UsageError(
                 f"checkpoint was written with {name}={checkpoint[name]}, this run has {value}; "
                 f"resume with the same {flag} or use a new --output-dir"

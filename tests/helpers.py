@@ -1,7 +1,9 @@
 """Launch the step scripts the way a user does, as subprocesses, under a hard timeout."""
 
 import json
+import math
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -9,6 +11,8 @@ from pathlib import Path
 
 import pytest
 import torch
+
+from common import data, models
 
 ROOT = Path(__file__).resolve().parents[1]
 SHARED_DATA = ROOT.parent / "shared" / "data"
@@ -19,6 +23,9 @@ ON_GPU = torch.cuda.is_available()
 # the synthetic training set (2,400 samples) gives 100 steps per epoch.
 FAST = ["--synthetic", "--num-workers", "0", "--batch-size", "24", "--lr", "0.1", "--epochs", "1"]
 STEPS_PER_EPOCH = 100
+# A smoke run: enough steps for every step's net to beat chance clearly on the synthetic data.
+SMOKE_STEPS = 30
+SMOKE = [*FAST, "--max-steps", str(SMOKE_STEPS)]
 
 
 def python(script, *args):
@@ -28,6 +35,15 @@ def python(script, *args):
 def torchrun(nproc, script, *args):
     # --standalone: a private rendezvous on a free port, so concurrent jobs cannot collide.
     return [str(BIN / "torchrun"), "--standalone", f"--nproc_per_node={nproc}", script, *map(str, args)]
+
+
+def accelerate_launch(nproc, script, *args, config_precision=ON_GPU):
+    """`accelerate launch` with the repository's config, as the README says. Its fp16 needs a GPU: on
+    a CPU machine it is overridden unless `config_precision`. Port 0: a free port, so concurrent jobs
+    cannot collide."""
+    return [str(BIN / "accelerate"), "launch", "--config_file", "accelerate_config.yaml", "--num_processes", str(nproc),
+            "--main_process_port", "0", *([] if config_precision else ["--mixed_precision", "no"]),
+            script, *map(str, args)]
 
 
 def _descendants(pid):
@@ -109,3 +125,63 @@ def assert_same_weights(path_a, path_b):
     assert a.keys() == b.keys()
     different = [name for name in a if not torch.equal(a[name], b[name])]
     assert not different, f"{len(different)} tensors differ, first: {different[:3]}"
+
+
+METRIC_KEYS = {"script", "data", "device", "amp", "world_size", "global_batch_size", "steps", "epochs_completed",
+               "train_loss", "test_loss", "test_accuracy", "test_samples", "samples_per_second", "wall_seconds"}
+
+
+def check_run(output_dir, script, world_size, amp="none", model_class=models.ResNet9):
+    """A SMOKE run that learned and wrote the contract's outputs."""
+    metrics = read_metrics(output_dir)
+    assert METRIC_KEYS <= metrics.keys()
+    assert metrics["script"] == script
+    device = "cuda" if ON_GPU and script != "01_cifar10_cpu.py" else "cpu"
+    assert (metrics["data"], metrics["device"], metrics["amp"]) == ("synthetic", device, amp)
+    assert metrics["world_size"] == world_size
+    assert (metrics["global_batch_size"], metrics["steps"], metrics["epochs_completed"]) == (24, SMOKE_STEPS, 0)
+    # Every test sample counted exactly once, whatever the world size (1,001 divides by none of 2-6).
+    assert metrics["test_samples"] == data.SYNTHETIC_TEST_SIZE
+    # Learned: an untrained net scores chance (0.10) at a loss of about ln(10).
+    assert metrics["test_accuracy"] > 0.25
+    assert metrics["test_loss"] < 0.9 * math.log(10)
+    assert metrics["train_loss"] < math.log(10)
+    assert metrics["samples_per_second"] > 0
+    # A plain fp32 state_dict (no "module." prefix, no half-precision copy) that loads on the CPU.
+    state = load_state(output_dir / "model.pt")
+    assert all(tensor.dtype == torch.float32 for tensor in state.values() if tensor.is_floating_point())
+    model = models.load_weights(output_dir / "model.pt", model_class)
+    assert models.count_parameters(model) > 1_000_000
+    return metrics
+
+
+# Resume: two epochs; the first run stops in the middle of epoch 1, the resumed run crosses into epoch 2.
+STOP, END = 60, 130
+assert STOP < STEPS_PER_EPOCH < END < 2 * STEPS_PER_EPOCH
+
+
+def check_exact_resume(launch, tmp_path):
+    """A run stopped at STOP and resumed to END ends with the weights and metrics of a run straight to END."""
+    args = [*FAST, "--epochs", "2"]
+    straight, stopped = tmp_path / "straight", tmp_path / "stopped"
+    check_ok(run(launch(*args, "--max-steps", END, "--output-dir", straight)))
+    check_ok(run(launch(*args, "--max-steps", STOP, "--save-every", 25, "--output-dir", stopped)))
+    resumed = check_ok(run(launch(*args, "--max-steps", END, "--save-every", 25, "--resume", "--output-dir", stopped)))
+    assert f"resumed from step {STOP}" in resumed.stdout
+    assert_same_weights(straight / "model.pt", stopped / "model.pt")
+    a, b = read_metrics(straight), read_metrics(stopped)
+    assert (b["steps"], b["epochs_completed"]) == (END, 1)
+    assert (a["test_loss"], a["test_accuracy"]) == (b["test_loss"], b["test_accuracy"])
+    return stopped
+
+
+def mnist_data_dir(tmp_path):
+    """A fresh --data-dir holding only the official MNIST archives (from ../shared/data), as
+    torchvision's download leaves them: loading then runs torchvision's real path (md5 check,
+    extraction), offline. Skips the test where ../shared is absent (a user's checkout)."""
+    archives = SHARED_DATA / "MNIST" / "raw"
+    if not archives.is_dir():
+        pytest.skip(f"the MNIST archives are not in {archives}: the tests need ../shared/data beside the checkout")
+    data_dir = tmp_path / "data"
+    shutil.copytree(archives, data_dir / "MNIST" / "raw")
+    return data_dir

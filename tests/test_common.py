@@ -3,6 +3,7 @@
 import numpy as np
 import pytest
 import torch
+from helpers import mnist_data_dir
 from torch.utils.data.distributed import DistributedSampler
 
 from common import data, models, utils
@@ -74,6 +75,34 @@ def test_missing_data_names_the_directory_and_synthetic(tmp_path):
     assert str(tmp_path) in str(error.value)
 
 
+def test_mnist_from_the_official_archives_offline(tmp_path):
+    """torchvision's real path: md5 check and extraction of the four archives, no network."""
+    data_dir = mnist_data_dir(tmp_path)
+    data.download_mnist(str(data_dir))
+    train_set, test_set = data.load_mnist(str(data_dir), synthetic=False)
+    assert (len(train_set), len(test_set)) == (60_000, 10_000)
+    assert train_set.images.shape == (60_000, 1, 28, 28) and train_set.images.dtype == torch.uint8
+    assert train_set.labels[:5].tolist() == [5, 0, 4, 1, 9]  # the well-known first training digits
+    assert not train_set.augment  # a flipped digit is another digit, or none
+    # Normalised with the training set's statistics, the classic (0.1307, 0.3081).
+    assert torch.allclose(train_set.mean.flatten(), torch.tensor([0.1307]), atol=1e-4)
+    assert torch.allclose(train_set.std.flatten(), torch.tensor([0.3081]), atol=1e-4)
+
+
+def test_synthetic_mnist_is_mnist_shaped():
+    train_set, test_set = data.load_mnist(None, synthetic=True, seed=0)
+    assert train_set.images.shape == (data.SYNTHETIC_TRAIN_SIZE, *data.MNIST_SHAPE)
+    assert len(test_set) == data.SYNTHETIC_TEST_SIZE
+    assert sorted(train_set.labels.unique().tolist()) == list(range(10))
+    assert models.MnistCNN()(torch.stack([test_set[i][0] for i in range(2)])).shape == (2, 10)
+
+
+def test_missing_mnist_names_the_directory_and_synthetic(tmp_path):
+    with pytest.raises(utils.UsageError, match="--synthetic") as error:
+        data.load_mnist(str(tmp_path), synthetic=False)
+    assert str(tmp_path) in str(error.value) and "MNIST" in str(error.value)
+
+
 def test_atomic_save_keeps_the_previous_file_when_a_write_crashes(tmp_path, monkeypatch):
     path = tmp_path / "checkpoint.pt"
     utils.save_atomic({"step": 1}, path)
@@ -103,9 +132,22 @@ def test_damaged_checkpoint_is_a_clear_error(tmp_path, damage):
 def test_checkpoint_from_other_settings_is_refused():
     with pytest.raises(utils.UsageError, match="--batch-size"):
         utils.check_resumable({"batch_size": 256, "epochs": 10}, batch_size=128, epochs=10)
+    with pytest.raises(utils.UsageError, match="same number of processes"):
+        utils.check_resumable({"world_size": 2}, world_size=3)
 
 
 def test_model_is_the_documented_size_and_shape():
     model = models.ResNet9()
     assert models.count_parameters(model) == 1_646_122
     assert model(torch.zeros(2, 3, 32, 32)).shape == (2, 10)
+
+
+def test_mnist_cnn_is_pytorchs_example_net(tmp_path):
+    model = models.MnistCNN()
+    # conv 1->32 (320) + conv 32->64 (18,496) + linear 9,216->128 (1,179,776) + linear 128->10 (1,290)
+    assert models.count_parameters(model) == 1_199_882
+    assert model(torch.zeros(2, 1, 28, 28)).shape == (2, 10)
+    path = tmp_path / "model.pt"
+    utils.save_atomic(model.state_dict(), path)
+    loaded = models.load_weights(path, models.MnistCNN).state_dict()
+    assert all(torch.equal(tensor, loaded[name]) for name, tensor in model.state_dict().items())
