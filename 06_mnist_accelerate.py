@@ -28,7 +28,7 @@ import time
 import torch
 import torch.nn.functional as F
 from accelerate import Accelerator  # [06]
-from accelerate.utils import InitProcessGroupKwargs  # [06]
+from accelerate.utils import DataLoaderConfiguration, InitProcessGroupKwargs  # [06]
 from torch.utils.data import DataLoader
 from tqdm import tqdm
 
@@ -60,6 +60,10 @@ def main():
         # [06] StepLR decays once per epoch; by default Accelerate steps a scheduler once per process
         # at every call, which is right only for a scheduler stepped with each optimizer step.
         step_scheduler_with_optimizer=False,
+        # [06] the loaders yield global batches and `prepare` splits each across the processes, as
+        # --batch-size means. Dealing out whole per-process batches instead would, when their number is
+        # not a multiple of the processes, pad the last step with batches from the epoch's start.
+        dataloader_config=DataLoaderConfiguration(split_batches=True),
         # [06] 04's short timeout: a process that dies or waits for a peer that never comes fails the job
         # in minutes instead of gloo's default 30.
         kwargs_handlers=[InitProcessGroupKwargs(timeout=datetime.timedelta(minutes=5))],
@@ -71,7 +75,6 @@ def main():
                                "each would train alone")
     if args.batch_size % world_size:  # [04] --batch-size is global: each process takes an equal share
         raise utils.UsageError(f"--batch-size {args.batch_size} is not divisible by the world size {world_size}")
-    batch_size = args.batch_size // world_size  # [04]
 
     if accelerator.is_local_main_process and not args.synthetic:  # [06] one download per machine
         data.download_mnist(args.data_dir)  # [06]
@@ -79,15 +82,14 @@ def main():
     train_set, test_set = data.load_mnist(args.data_dir, args.synthetic, seed=args.seed)  # [06]
     if args.batch_size > len(train_set):
         raise utils.UsageError(f"--batch-size {args.batch_size} is larger than the training set ({len(train_set)})")
-    # [06] the single-process sampler: `prepare` deals its batches out in turns (process r of W takes
-    # batches r, r + W, ...), so the W batches of step i together are a single process's batch i.
+    # [06] the single-process sampler: `prepare` splits each of its batches across the processes.
     sampler = data.EpochShuffleSampler(train_set, seed=args.seed)
     # The loader gets its own generator: otherwise every epoch's iterator draws a seed from the
     # global RNG, and a resumed run's random numbers would no longer match an uninterrupted run's.
-    train_loader = DataLoader(train_set, batch_size=batch_size, sampler=sampler, drop_last=True,  # [04]
+    train_loader = DataLoader(train_set, batch_size=args.batch_size, sampler=sampler, drop_last=True,
                               num_workers=args.num_workers, generator=torch.Generator().manual_seed(args.seed))
     # [06] a plain loader: `prepare` shards it, and gather_for_metrics drops what it repeats to even it out.
-    test_loader = DataLoader(test_set, batch_size=batch_size, num_workers=args.num_workers)
+    test_loader = DataLoader(test_set, batch_size=args.batch_size, num_workers=args.num_workers)
 
     model = models.MnistCNN()  # [06]
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)  # [06]
@@ -97,6 +99,9 @@ def main():
     # then arrive on the device.
     model, optimizer, train_loader, test_loader, scheduler = accelerator.prepare(
         model, optimizer, train_loader, test_loader, scheduler)
+    # [06] the same seed built the same weights everywhere (and DDP broadcast rank 0's); from here on
+    # each process needs its own random stream, or all would draw the same dropout masks.
+    torch.manual_seed(args.seed + accelerator.process_index)
     total_steps = args.epochs * len(train_loader)
     last_step = min(args.max_steps, total_steps) if args.max_steps else total_steps
 
@@ -122,25 +127,26 @@ def main():
         if step >= last_step:
             break
 
+    metrics = {
+        "script": os.path.basename(__file__),
+        "data": "synthetic" if args.synthetic else "mnist",  # [06]
+        "device": accelerator.device.type,  # [06]
+        "amp": args.amp,
+        "world_size": world_size,  # [04]
+        "global_batch_size": args.batch_size,
+        "steps": step,
+        "epochs_completed": step // len(train_loader),
+        "train_loss": train_loss,
+        "test_loss": test_loss,
+        "test_accuracy": test_accuracy,
+        "test_samples": test_samples,
+        "samples_per_second": meter.samples_per_second,
+        "wall_seconds": time.perf_counter() - start_time,
+    }
     if accelerator.is_main_process:  # [06] one writer; no collective may run in here
         # [06] unwrap_model takes the DDP wrapper off: a plain fp32 state_dict without "module." prefixes
         utils.save_atomic(accelerator.unwrap_model(model).state_dict(), os.path.join(args.output_dir, "model.pt"))
-        utils.write_json({
-            "script": os.path.basename(__file__),
-            "data": "synthetic" if args.synthetic else "mnist",  # [06]
-            "device": accelerator.device.type,  # [06]
-            "amp": args.amp,
-            "world_size": world_size,  # [04]
-            "global_batch_size": args.batch_size,
-            "steps": step,
-            "epochs_completed": step // len(train_loader),
-            "train_loss": train_loss,
-            "test_loss": test_loss,
-            "test_accuracy": test_accuracy,
-            "test_samples": test_samples,
-            "samples_per_second": meter.samples_per_second,
-            "wall_seconds": time.perf_counter() - start_time,
-        }, os.path.join(args.output_dir, "metrics.json"))
+        utils.write_json(metrics, os.path.join(args.output_dir, "metrics.json"))
     # [04] leave together: a rank that tears down its connections while rank 0 is still writing
     # can abort (gloo) instead of exiting cleanly.
     accelerator.wait_for_everyone()  # [06]
