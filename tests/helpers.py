@@ -1,6 +1,7 @@
 """Launch the step scripts the way a user does, as subprocesses, under a hard timeout."""
 
 import json
+import math
 import os
 import signal
 import subprocess
@@ -9,6 +10,8 @@ from pathlib import Path
 
 import pytest
 import torch
+
+from common import data, models
 
 ROOT = Path(__file__).resolve().parents[1]
 SHARED_DATA = ROOT.parent / "shared" / "data"
@@ -19,6 +22,8 @@ ON_GPU = torch.cuda.is_available()
 # the synthetic training set (2,400 samples) gives 100 steps per epoch.
 FAST = ["--synthetic", "--num-workers", "0", "--batch-size", "24", "--lr", "0.1", "--epochs", "1"]
 STEPS_PER_EPOCH = 100
+# A smoke run: STEPS optimizer steps with FAST settings, checked by `check_run`.
+STEPS = 30
 
 
 def python(script, *args):
@@ -109,3 +114,28 @@ def assert_same_weights(path_a, path_b):
     assert a.keys() == b.keys()
     different = [name for name in a if not torch.equal(a[name], b[name])]
     assert not different, f"{len(different)} tensors differ, first: {different[:3]}"
+
+
+METRIC_KEYS = {"script", "data", "device", "amp", "world_size", "global_batch_size", "steps", "epochs_completed",
+               "train_loss", "test_loss", "test_accuracy", "test_samples", "samples_per_second", "wall_seconds"}
+
+
+def check_run(output_dir, script, world_size, amp="none"):
+    """A smoke run of STEPS steps with FAST settings that learned and wrote the contract's outputs."""
+    metrics = read_metrics(output_dir)
+    assert METRIC_KEYS <= metrics.keys()
+    assert metrics["script"] == script
+    device = "cuda" if ON_GPU and script != "01_cifar10_cpu.py" else "cpu"
+    assert (metrics["data"], metrics["device"], metrics["amp"]) == ("synthetic", device, amp)
+    assert metrics["world_size"] == world_size
+    assert (metrics["global_batch_size"], metrics["steps"], metrics["epochs_completed"]) == (24, STEPS, 0)
+    # Every test sample counted exactly once, whatever the world size (1,001 divides by none of 2-6).
+    assert metrics["test_samples"] == data.SYNTHETIC_TEST_SIZE
+    # Learned: an untrained net scores chance (0.10) at a loss of about ln(10).
+    assert metrics["test_accuracy"] > 0.25
+    assert metrics["test_loss"] < 0.9 * math.log(10)
+    assert metrics["train_loss"] < math.log(10)
+    assert metrics["samples_per_second"] > 0
+    model = models.load_weights(output_dir / "model.pt")  # a plain state_dict, no "module." prefix
+    assert models.count_parameters(model) > 1_000_000
+    return metrics
