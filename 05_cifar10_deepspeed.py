@@ -14,7 +14,8 @@ Launch:
     deepspeed --hostfile=hostfile 05_cifar10_deepspeed.py                # every GPU of the hosts listed
     python 05_cifar10_deepspeed.py --synthetic --epochs 1                  # a world of one
     OMP_NUM_THREADS=1 deepspeed --num_gpus=2 05_cifar10_deepspeed.py --synthetic --epochs 1  # no GPU: gloo
-A hostfile has one line per machine, `HOST slots=GPUS`; the launcher reaches them by ssh (pdsh). Without
+A hostfile has one line per machine, `HOST slots=GPUS`; the launcher reaches them by ssh (pdsh), or,
+without ssh, run it on every machine with --no_ssh --node_rank=R --master_addr=FIRST_HOST. Without
 a GPU, --num_gpus is the number of CPU processes; unlike torchrun, the launcher does not limit their
 threads, so give each its share of the cores (OMP_NUM_THREADS) or they slow each other down. The
 first run on a CPU compiles a small DeepSpeed op (a minute or two, then cached), with the ninja
@@ -154,7 +155,7 @@ def main():
                                                last_step)
         meter.stop((new_step - step) * args.batch_size)
         step = new_step
-        test_loss, test_accuracy, test_samples = evaluate(model, test_loader, device, amp_dtype)  # [05]
+        test_loss, test_accuracy, test_samples = evaluate(model, test_loader, device, amp_dtype)  # [02]
         print0(f"epoch {epoch + 1}/{args.epochs}  step {step}  train_loss {train_loss:.4f}  "
               f"test_loss {test_loss:.4f}  test_accuracy {test_accuracy:.4f}  "
               f"samples/s {meter.samples_per_second:.1f}  elapsed {time.perf_counter() - start_time:.1f}s")
