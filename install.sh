@@ -8,6 +8,7 @@ python=${PYTHON:-python3}
 [ -x .venv/bin/python ] || "$python" -m venv .venv
 pip=(.venv/bin/python -m pip install --quiet --disable-pip-version-check)
 "${pip[@]}" -r requirements.txt
+"${pip[@]}" --no-build-isolation -r requirements-deepspeed.txt  # builds against the torch installed above
 if [ "${1:-}" = "--dev" ]; then
     "${pip[@]}" -r requirements-dev.txt
 fi

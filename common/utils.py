@@ -89,6 +89,11 @@ def write_json(obj, path):
     _atomic_write(path, lambda file: file.write(json.dumps(obj, indent=2) + "\n"), "w")
 
 
+def write_text(text, path):
+    """Write the string `text`, atomically."""
+    _atomic_write(path, lambda file: file.write(text), "w")
+
+
 def load_checkpoint(path, map_location):
     """`torch.load` with a clear error for a missing, truncated or corrupt checkpoint."""
     if not os.path.isfile(path):

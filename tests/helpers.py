@@ -160,17 +160,19 @@ STOP, END = 60, 130
 assert STOP < STEPS_PER_EPOCH < END < 2 * STEPS_PER_EPOCH
 
 
-def check_exact_resume(launch, tmp_path):
-    """A run stopped at STOP and resumed to END ends with the weights and metrics of a run straight to END."""
+def check_exact_resume(launch, tmp_path, stop=STOP, end=END, env=None):
+    """A run stopped at `stop` and resumed to `end` ends with the weights and metrics of a run
+    straight to `end`. `launch(*args)` gives the command line."""
     args = [*FAST, "--epochs", "2"]
     straight, stopped = tmp_path / "straight", tmp_path / "stopped"
-    check_ok(run(launch(*args, "--max-steps", END, "--output-dir", straight)))
-    check_ok(run(launch(*args, "--max-steps", STOP, "--save-every", 25, "--output-dir", stopped)))
-    resumed = check_ok(run(launch(*args, "--max-steps", END, "--save-every", 25, "--resume", "--output-dir", stopped)))
-    assert f"resumed from step {STOP}" in resumed.stdout
+    check_ok(run(launch(*args, "--max-steps", end, "--output-dir", straight), env=env))
+    check_ok(run(launch(*args, "--max-steps", stop, "--save-every", 25, "--output-dir", stopped), env=env))
+    resumed = check_ok(run(launch(*args, "--max-steps", end, "--save-every", 25, "--resume", "--output-dir", stopped),
+                           env=env))
+    assert f"resumed from step {stop}" in resumed.stdout
     assert_same_weights(straight / "model.pt", stopped / "model.pt")
     a, b = read_metrics(straight), read_metrics(stopped)
-    assert (b["steps"], b["epochs_completed"]) == (END, 1)
+    assert (b["steps"], b["epochs_completed"]) == (end, end // STEPS_PER_EPOCH)
     assert (a["test_loss"], a["test_accuracy"]) == (b["test_loss"], b["test_accuracy"])
     return stopped
 

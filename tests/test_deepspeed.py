@@ -1,0 +1,109 @@
+"""Step 05 as users launch it on the CPU: torchrun, the deepspeed launcher and plain python, ZeRO stages
+0-3, exact evaluation, fp32 model.pt, the same optimizer steps as DDP, exact resume, one-line errors.
+
+The first DeepSpeed run on a machine compiles a small C++ op (1-2 minutes on 2 cores, then cached in
+~/.cache/torch_extensions): the module's first fixture does it once, so that no smoke run's timeout
+has to cover it.
+"""
+
+import os
+import socket
+
+import pytest
+from helpers import (
+    BIN,
+    FAST,
+    ON_GPU,
+    SMOKE,
+    assert_same_weights,
+    check_exact_resume,
+    check_ok,
+    check_one_error,
+    check_run,
+    python,
+    run,
+    torchrun,
+)
+
+SCRIPT = "05_cifar10_deepspeed.py"
+# The environment's bin first on PATH, as when it is activated: DeepSpeed builds and loads its op with
+# the ninja installed beside it (it fails without one on PATH, even with the op cached), and always
+# the same ninja (two ninja versions disagree about the cached build and rebuild it every time).
+ENV = {"PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}"}
+
+
+def free_port():
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def deepspeed(nproc, script, *args):
+    # On a CPU --num_gpus is the number of processes. A free port instead of the launcher's fixed
+    # default (29500), so that concurrent jobs cannot collide.
+    return [str(BIN / "deepspeed"), f"--num_gpus={nproc}", f"--master_port={free_port()}", script, *map(str, args)]
+
+
+LAUNCH = {"torchrun": torchrun, "deepspeed": deepspeed, "python": lambda nproc, *args: python(*args)}
+
+
+def launch(launcher, nproc, *args, timeout=180):
+    # torchrun gives each worker one thread; the deepspeed launcher leaves that to us (2 processes with
+    # all the cores each run several times slower than with one each).
+    env = {**ENV, "OMP_NUM_THREADS": "1"} if launcher == "deepspeed" else ENV
+    return run(LAUNCH[launcher](nproc, SCRIPT, *args), timeout=timeout, env=env)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def deepspeed_op():
+    """Compile DeepSpeed's CPU communication op once, as the script would (a no-op once cached)."""
+    check_ok(run(python("-c", "from deepspeed.comm.torch import build_shm_op; build_shm_op()"), timeout=600, env=ENV))
+
+
+@pytest.fixture(scope="module")
+def ddp_weights(tmp_path_factory):
+    """model.pt of step 04 (DDP, 2 processes) after the smoke run's steps."""
+    output_dir = tmp_path_factory.mktemp("ddp")
+    check_ok(run(torchrun(2, "04_cifar10_ddp.py", *SMOKE, "--output-dir", output_dir)))
+    return output_dir / "model.pt"
+
+
+@pytest.mark.parametrize("launcher, nproc, zero_stage, amp", [
+    ("torchrun", 2, None, "none"),  # the config file's stage (2)
+    ("torchrun", 3, 3, "bf16"),
+    ("deepspeed", 2, 0, "none"),
+    ("deepspeed", 3, 1, "none"),
+    ("python", 1, None, "none"),  # no launcher: a world of one
+])
+def test_deepspeed_step(launcher, nproc, zero_stage, amp, ddp_weights, tmp_path):
+    stage_args = [] if zero_stage is None else ["--zero-stage", zero_stage]
+    result = check_ok(launch(launcher, nproc, *SMOKE, *stage_args, "--amp", amp,
+                             "--output-dir", tmp_path))
+    metrics = check_run(tmp_path, SCRIPT, world_size=nproc, amp=amp)
+    assert metrics["zero_stage"] == (2 if zero_stage is None else zero_stage)
+    assert result.stdout.count("epoch 1/1") == 1  # rank 0 alone prints
+    if nproc == 2 and not ON_GPU:
+        # The engine takes exactly DDP's steps: same batches, same averaged gradients, same SGD.
+        assert_same_weights(tmp_path / "model.pt", ddp_weights)
+
+
+def test_resume_with_zero3_matches_uninterrupted_run(tmp_path):
+    """Stopped and resumed (both mid-epoch) equals one go: every rank saves and reloads its own shard of
+    the weights and the optimizer state, and `latest` names the newest complete checkpoint."""
+    stopped = check_exact_resume(lambda *args: torchrun(2, SCRIPT, *args, "--zero-stage", 3), tmp_path,
+                                 stop=30, end=60, env=ENV)
+    checkpoints = stopped / "checkpoints"
+    assert (checkpoints / "latest").read_text() == "step60"
+    assert [path.name for path in checkpoints.iterdir() if path.is_dir()] == ["step60"]  # older tags removed
+
+
+@pytest.mark.parametrize("launcher, nproc, args, message", [
+    ("deepspeed", 3, ["--batch-size", 32], "--batch-size 32 is not divisible by the world size 3"),
+    ("python", 1, ["--deepspeed-config", "missing.json"], "--deepspeed-config missing.json: "),
+    ("python", 1, ["--resume"], "--resume: no checkpoint in"),
+])
+def test_bad_input_is_one_line(launcher, nproc, args, message, tmp_path):
+    result = launch(launcher, nproc, *FAST, *args, "--output-dir", tmp_path, timeout=120)
+    check_one_error(result, message)
+    assert not (tmp_path / "metrics.json").exists()
+
