@@ -3,9 +3,9 @@
     python benchmarks/throughput.py                    # synthetic data
     python benchmarks/throughput.py --real-cifar10     # real CIFAR-10 images from ../shared/data
 
-Each step trains for --max-steps steps with the same global batch and reports `samples_per_second`
-from its metrics.json (training only: evaluation excluded). Multi-process steps run on this machine
-with --nproc processes (gloo on CPUs, nccl on GPUs). With --real-cifar10 the steps read the
+Each CIFAR-10 step (01-05) trains for --max-steps steps with the same global batch and reports
+`samples_per_second` from its metrics.json (training only: evaluation excluded). 04 and 05 run on
+this machine with --nproc processes under torchrun (gloo on CPUs, nccl on GPUs). With --real-cifar10 the steps read the
 array layout (`train.npz`, `test.npz`) that common/data.py accepts, made of symbolic links to
 ../shared/data/cifar10 (the full training set and the first 1,017 official test images).
 """
@@ -30,6 +30,7 @@ def launch_commands(nproc):
         "02_cifar10_gpu.py": [sys.executable, "02_cifar10_gpu.py"],
         "03_cifar10_dataparallel.py": [sys.executable, "03_cifar10_dataparallel.py"],
         "04_cifar10_ddp.py": [*torchrun, "04_cifar10_ddp.py"],
+        "05_cifar10_deepspeed.py": [*torchrun, "05_cifar10_deepspeed.py"],  # the config's ZeRO-2
     }
 
 
@@ -56,7 +57,9 @@ def main():
         data = ["--data-dir", str(real_cifar10_dir(scratch))] if args.real_cifar10 else ["--synthetic"]
         common = [*data, "--batch-size", str(args.batch_size), "--max-steps", str(args.max_steps),
                   "--epochs", "1", "--num-workers", "0"]
-        env = {**os.environ, "GLOO_SOCKET_IFNAME": os.environ.get("GLOO_SOCKET_IFNAME", "lo")}
+        # gloo on the loopback interface; the environment's bin on PATH for DeepSpeed's ninja.
+        env = {**os.environ, "GLOO_SOCKET_IFNAME": os.environ.get("GLOO_SOCKET_IFNAME", "lo"),
+               "PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}"}
         results = {}
         for script, command in launch_commands(args.nproc).items():
             if args.steps and script not in args.steps:

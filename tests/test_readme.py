@@ -16,7 +16,7 @@ from helpers import ROOT
 
 README = (ROOT / "README.md").read_text()
 STEP_SCRIPTS = sorted(path.name for path in ROOT.glob("0[1-9]_*.py"))
-LAUNCHERS = ("python", "torchrun", "deepspeed", "accelerate", "bash", "CUDA_VISIBLE_DEVICES")
+LAUNCHERS = ("python", "torchrun", "deepspeed", "accelerate", "bash", "CUDA_VISIBLE_DEVICES", "OMP_NUM_THREADS")
 
 
 def shell_commands(text):
