@@ -8,13 +8,13 @@ export GLOO_SOCKET_IFNAME=${GLOO_SOCKET_IFNAME:-lo}  # one machine: keep gloo on
 gpus=$(python -c "import torch; print(torch.cuda.device_count())")
 procs=$((gpus > 0 ? gpus : 2))  # one process per GPU; without GPUs, 2 CPU processes
 # The deepspeed launcher, unlike torchrun, leaves every process all the cores: share them out.
-export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$(( $(nproc) / procs > 0 ? $(nproc) / procs : 1 ))}
+threads=${OMP_NUM_THREADS:-$(( $(nproc) / procs > 0 ? $(nproc) / procs : 1 ))}
 args=(--synthetic --epochs 2 --batch-size 64 --lr 0.1)
 
 python 01_cifar10_cpu.py "${args[@]}"
 python 02_cifar10_gpu.py "${args[@]}"
 python 03_cifar10_dataparallel.py "${args[@]}"
 torchrun --standalone --nproc_per_node=$procs 04_cifar10_ddp.py "${args[@]}"
-deepspeed --num_gpus=$procs 05_cifar10_deepspeed.py "${args[@]}"
+OMP_NUM_THREADS=$threads deepspeed --num_gpus=$procs 05_cifar10_deepspeed.py "${args[@]}"
 torchrun --standalone --nproc_per_node=$procs 06_mnist_accelerate.py --synthetic --epochs 2 --batch-size 64
 echo "tour finished: outputs in runs/"
