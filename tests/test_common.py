@@ -69,10 +69,11 @@ def test_array_layout_loads_real_images(tmp_path):
         assert torch.equal(train_set.images[3], torch.from_numpy(arrays["images"][3]).permute(2, 0, 1))
 
 
-def test_missing_data_names_the_directory_and_synthetic(tmp_path):
+@pytest.mark.parametrize("load, name", [(data.load_cifar10, "CIFAR-10"), (data.load_mnist, "MNIST")])
+def test_missing_data_names_the_data_set_the_directory_and_synthetic(load, name, tmp_path):
     with pytest.raises(utils.UsageError, match="--synthetic") as error:
-        data.load_cifar10(str(tmp_path), synthetic=False)
-    assert str(tmp_path) in str(error.value)
+        load(str(tmp_path), synthetic=False)
+    assert str(tmp_path) in str(error.value) and name in str(error.value)
 
 
 def test_mnist_from_the_official_archives_offline(tmp_path):
@@ -95,12 +96,6 @@ def test_synthetic_mnist_is_mnist_shaped():
     assert len(test_set) == data.SYNTHETIC_TEST_SIZE
     assert sorted(train_set.labels.unique().tolist()) == list(range(10))
     assert models.MnistCNN()(torch.stack([test_set[i][0] for i in range(2)])).shape == (2, 10)
-
-
-def test_missing_mnist_names_the_directory_and_synthetic(tmp_path):
-    with pytest.raises(utils.UsageError, match="--synthetic") as error:
-        data.load_mnist(str(tmp_path), synthetic=False)
-    assert str(tmp_path) in str(error.value) and "MNIST" in str(error.value)
 
 
 def test_atomic_save_keeps_the_previous_file_when_a_write_crashes(tmp_path, monkeypatch):
