@@ -25,6 +25,7 @@ from common import data, flags, models, utils
 
 def parse_args():
     parser = flags.build_parser(__file__, __doc__, epochs=10, batch_size=256, lr=0.2)
+    flags.add_norm_argument(parser)
     args = parser.parse_args()
     if args.amp != "none":
         raise utils.UsageError("01 trains in fp32 on the CPU; mixed precision (--amp) starts at step 02")
@@ -48,7 +49,7 @@ def main():
                               num_workers=args.num_workers, generator=torch.Generator().manual_seed(args.seed))
     test_loader = DataLoader(test_set, batch_size=args.batch_size, num_workers=args.num_workers)
 
-    model = models.ResNet9().to(device)
+    model = models.ResNet9(norm=args.norm).to(device)
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9, nesterov=True, weight_decay=5e-4)
     total_steps = args.epochs * len(train_loader)
     scheduler = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=args.lr, total_steps=total_steps)

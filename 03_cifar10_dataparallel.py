@@ -33,6 +33,7 @@ from common import data, flags, models, utils
 
 def parse_args():
     parser = flags.build_parser(__file__, __doc__, epochs=10, batch_size=256, lr=0.2)
+    flags.add_norm_argument(parser)
     return parser.parse_args()
 
 
@@ -64,7 +65,7 @@ def main():
     test_loader = DataLoader(test_set, batch_size=args.batch_size, num_workers=args.num_workers,
                              pin_memory=device.type == "cuda")  # [02]
 
-    model = models.ResNet9().to(device)
+    model = models.ResNet9(norm=args.norm).to(device)
     model = nn.DataParallel(model)  # [03] replicates the model onto every visible GPU at each forward
     print(f"DataParallel over {max(torch.cuda.device_count(), 1)} device(s)")  # [03]
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9, nesterov=True, weight_decay=5e-4)

@@ -35,6 +35,7 @@ from common.distributed import all_reduce_mean, print0  # [04]
 
 def parse_args():
     parser = flags.build_parser(__file__, __doc__, epochs=10, batch_size=256, lr=0.2)
+    flags.add_norm_argument(parser)
     flags.accept_local_rank_argument(parser)  # [04]
     return parser.parse_args()
 
@@ -83,7 +84,7 @@ def main():
     test_loader = DataLoader(test_shard, batch_size=batch_size, num_workers=args.num_workers,
                              pin_memory=device.type == "cuda")  # [02]
 
-    model = models.ResNet9().to(device)
+    model = models.ResNet9(norm=args.norm).to(device)
     # [04] DDP broadcasts rank 0's weights at start, then all-reduces (averages) the gradients
     # during backward, so every rank takes the same optimizer step and the replicas stay identical.
     model = DistributedDataParallel(model, device_ids=[local_rank] if device.type == "cuda" else None)

@@ -48,6 +48,7 @@ from common.distributed import all_reduce_mean, print0  # [04]
 
 def parse_args():
     parser = flags.build_parser(__file__, __doc__, epochs=10, batch_size=256, lr=0.2)
+    flags.add_norm_argument(parser)
     flags.accept_local_rank_argument(parser)  # [04]
     parser.add_argument("--zero-stage", type=int, choices=[0, 1, 2, 3], default=None,  # [05]
                         help="ZeRO stage (default: the config file's)")
@@ -130,7 +131,7 @@ def main():
     if args.zero_stage is not None:
         config.setdefault("zero_optimization", {})["stage"] = args.zero_stage
 
-    model = models.ResNet9().to(device)
+    model = models.ResNet9(norm=args.norm).to(device)
     total_steps = args.epochs * len(train_loader)
     # [05] the engine broadcasts rank 0's weights, builds the optimizer the config names (wrapped for
     # ZeRO and 16 bits), and averages the gradients across ranks in backward. Our one-cycle schedule

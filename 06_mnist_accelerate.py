@@ -38,6 +38,9 @@ from common import data, flags, models, utils
 def parse_args():
     parser = flags.build_parser(__file__, __doc__, epochs=5, batch_size=64, lr=1e-3)  # [06]
     flags.accept_local_rank_argument(parser)  # [04]
+    parser.add_argument("--no-dropout", action="store_true",  # [06]
+                        help="train without dropout, so that the result does not depend on the number of processes "
+                             "(see the README's Parity section)")
     # [06] `accelerate launch` passes its config's mixed precision in the environment: that is the
     # default; an explicit --amp overrides it.
     launcher_amp = os.environ.get("ACCELERATE_MIXED_PRECISION", "no")
@@ -91,7 +94,7 @@ def main():
     # [06] a plain loader: `prepare` shards it, and gather_for_metrics drops what it repeats to even it out.
     test_loader = DataLoader(test_set, batch_size=args.batch_size, num_workers=args.num_workers)
 
-    model = models.MnistCNN()  # [06]
+    model = models.MnistCNN(dropout=not args.no_dropout)  # [06]
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)  # [06]
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.7)  # [06] lr x 0.7 each epoch
     # [06] puts the model on the device and wraps it (DDP with several processes, autocast with --amp),

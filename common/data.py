@@ -68,7 +68,7 @@ class ImageDataset(Dataset):
             image = padded[:, top:top + height, left:left + width]
             if self.flips[index]:
                 image = image.flip(-1)
-        return (image.float() / 255 - self.mean) / self.std, self.labels[index]
+        return (image.to(torch.get_default_dtype()) / 255 - self.mean) / self.std, self.labels[index]
 
 
 class EpochShuffleSampler(Sampler):

@@ -5,6 +5,7 @@ import os
 
 import torch
 
+from common import models
 from common.utils import UsageError
 
 
@@ -67,3 +68,10 @@ def accept_local_rank_argument(parser):
     --local-rank, the deepspeed launcher: --local_rank); the scripts read LOCAL_RANK instead, which
     every launcher sets."""
     parser.add_argument("--local-rank", "--local_rank", type=int, default=None, help=argparse.SUPPRESS)
+
+
+def add_norm_argument(parser):
+    """ResNet-9's normalisation layers (the CIFAR-10 steps)."""
+    parser.add_argument("--norm", choices=models.NORMS, default="batch",
+                        help="batch: BatchNorm (faster to train); group: GroupNorm, whose result does not depend "
+                             "on how the batch is split across processes (see the README's Parity section)")

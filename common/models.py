@@ -15,31 +15,42 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+NORMS = ("batch", "group")
 
-def conv_bn_relu(in_channels, out_channels):
+
+def norm_layer(norm, channels):
+    """BatchNorm normalises each channel over the batch that this process sees, so a distributed
+    run (N smaller batches) computes a different function than one process with the whole batch.
+    GroupNorm normalises over groups of channels of each sample alone: the same function at any
+    world size, so that a distributed run can be checked against a single-process one (README: Parity)."""
+    return nn.BatchNorm2d(channels) if norm == "batch" else nn.GroupNorm(8, channels)
+
+
+def conv_norm_relu(in_channels, out_channels, norm):
     return nn.Sequential(
         nn.Conv2d(in_channels, out_channels, kernel_size=3, padding=1, bias=False),
-        nn.BatchNorm2d(out_channels),
+        norm_layer(norm, out_channels),
         nn.ReLU(inplace=True),
     )
 
 
 class Residual(nn.Module):
-    def __init__(self, channels):
+    def __init__(self, channels, norm):
         super().__init__()
-        self.body = nn.Sequential(conv_bn_relu(channels, channels), conv_bn_relu(channels, channels))
+        self.body = nn.Sequential(conv_norm_relu(channels, channels, norm), conv_norm_relu(channels, channels, norm))
 
     def forward(self, x):
         return x + self.body(x)
 
 
 class ResNet9(nn.Module):
-    def __init__(self, num_classes=10, width=32):
+    def __init__(self, num_classes=10, width=32, norm="batch"):
         super().__init__()
-        self.prep = conv_bn_relu(3, width)
-        self.layer1 = nn.Sequential(conv_bn_relu(width, 2 * width), nn.MaxPool2d(2), Residual(2 * width))
-        self.layer2 = nn.Sequential(conv_bn_relu(2 * width, 4 * width), nn.MaxPool2d(2))
-        self.layer3 = nn.Sequential(conv_bn_relu(4 * width, 8 * width), nn.MaxPool2d(2), Residual(8 * width))
+        self.prep = conv_norm_relu(3, width, norm)
+        self.layer1 = nn.Sequential(conv_norm_relu(width, 2 * width, norm), nn.MaxPool2d(2), Residual(2 * width, norm))
+        self.layer2 = nn.Sequential(conv_norm_relu(2 * width, 4 * width, norm), nn.MaxPool2d(2))
+        self.layer3 = nn.Sequential(conv_norm_relu(4 * width, 8 * width, norm), nn.MaxPool2d(2),
+                                    Residual(8 * width, norm))
         self.head = nn.Sequential(nn.AdaptiveMaxPool2d(1), nn.Flatten(), nn.Linear(8 * width, num_classes))
 
     def forward(self, x):
@@ -49,12 +60,14 @@ class ResNet9(nn.Module):
 
 
 class MnistCNN(nn.Module):
-    def __init__(self, num_classes=10):
+    def __init__(self, num_classes=10, dropout=True):
         super().__init__()
         self.conv1 = nn.Conv2d(1, 32, kernel_size=3)  # 28x28 -> 26x26
         self.conv2 = nn.Conv2d(32, 64, kernel_size=3)  # -> 24x24, max-pooled to 12x12
-        self.dropout1 = nn.Dropout(0.25)
-        self.dropout2 = nn.Dropout(0.5)
+        # Each process draws its own dropout masks, for its share of the batch: a distributed run
+        # drops other units than one process would. dropout=False makes the two comparable (README: Parity).
+        self.dropout1 = nn.Dropout(0.25 if dropout else 0.0)
+        self.dropout2 = nn.Dropout(0.5 if dropout else 0.0)
         self.fc1 = nn.Linear(64 * 12 * 12, 128)
         self.fc2 = nn.Linear(128, num_classes)
 
@@ -68,9 +81,10 @@ def count_parameters(model):
     return sum(parameter.numel() for parameter in model.parameters())
 
 
-def load_weights(path, model_class=ResNet9):
-    """A `model.pt` written by any step, loaded on the CPU into a fresh `model_class` (`ResNet9` for
-    the CIFAR-10 steps 01-05, `MnistCNN` for step 06)."""
-    model = model_class()
+def load_weights(path, model_class=ResNet9, **options):
+    """A `model.pt` written by any step, loaded on the CPU into a fresh `model_class(**options)`
+    (`ResNet9` for the CIFAR-10 steps 01-05, with `norm="group"` if trained with --norm group;
+    `MnistCNN` for step 06)."""
+    model = model_class(**options)
     model.load_state_dict(torch.load(path, map_location="cpu", weights_only=True))
     return model

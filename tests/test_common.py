@@ -137,6 +137,17 @@ def test_model_is_the_documented_size_and_shape():
     assert model(torch.zeros(2, 3, 32, 32)).shape == (2, 10)
 
 
+def test_group_norm_makes_each_sample_independent_of_its_batch():
+    """What --norm group is for: in training mode, BatchNorm's output for a sample depends on the
+    other samples of its batch (so on how a batch is split across processes); GroupNorm's does not."""
+    images = torch.randn(4, 3, 32, 32, dtype=torch.float64)
+    for norm, independent in (("batch", False), ("group", True)):
+        model = models.ResNet9(norm=norm).double().train()
+        assert models.count_parameters(model) == 1_646_122
+        whole, halves = model(images), torch.cat([model(images[:2]), model(images[2:])])
+        assert torch.allclose(whole, halves, rtol=1e-12, atol=1e-12) == independent, norm
+
+
 def test_mnist_cnn_is_pytorchs_example_net(tmp_path):
     model = models.MnistCNN()
     # conv 1->32 (320) + conv 32->64 (18,496) + linear 9,216->128 (1,179,776) + linear 128->10 (1,290)

@@ -1,0 +1,23 @@
+"""Run a step script with float64 as PyTorch's default floating-point type.
+
+    python benchmarks/float64.py 01_cifar10_cpu.py --synthetic --norm group
+    torchrun --nproc_per_node=2 benchmarks/float64.py 04_cifar10_ddp.py --synthetic --norm group
+
+The step's weights (common/models.py) and images (common/data.py) are then float64. In float32,
+two runs that sum the same gradients in a different order differ by rounding, and ReLU and
+max-pooling amplify that chaotically within a few steps; in float64 what remains of a difference
+is a difference in what the runs compute. benchmarks/parity.py uses this; so can a reader who
+wants to check their own change. Not for 05: DeepSpeed refuses to reduce float64 gradients.
+"""
+
+import os
+import runpy
+import sys
+
+import torch
+
+if __name__ == "__main__":
+    torch.set_default_dtype(torch.float64)
+    sys.argv = sys.argv[1:]  # the step sees its own command line
+    sys.path[0] = os.path.dirname(os.path.abspath(sys.argv[0]))  # and imports common/ from beside it
+    runpy.run_path(sys.argv[0], run_name="__main__")
