@@ -70,6 +70,8 @@ def main():
     train_set, test_set = data.load_cifar10(args.data_dir, args.synthetic, seed=args.seed)
     if args.batch_size > len(train_set):
         raise utils.UsageError(f"--batch-size {args.batch_size} is larger than the training set ({len(train_set)})")
+    if len(test_set) < world_size:  # [04] each rank evaluates its own slice of the test set: none may be empty
+        raise utils.UsageError(f"the test set has {len(test_set)} samples, fewer than the {world_size} processes")
     # [04] every rank shuffles with the same seed and keeps every world_size-th sample: the ranks'
     # batches are disjoint, and together they are the global batch that 01-03 would take.
     sampler = DistributedSampler(train_set, num_replicas=world_size, rank=rank, seed=args.seed, drop_last=True)

@@ -20,13 +20,19 @@ class UsageError(Exception):
 
 
 def run(main):
-    """Run a script's `main()`; a UsageError becomes one line on stderr (rank 0 only) and exit 2.
+    """Run a script's `main()`; a UsageError becomes one line on stderr (rank 0 only) and exit 2, a
+    failure to start the process group one line from the failing process and exit 1.
 
     Every rank raises the same UsageError (the checks are deterministic), so every rank exits and
     none is left waiting in a collective.
     """
     try:
         main()
+    except dist.DistNetworkError as error:
+        # This process could not open or reach the rendezvous (for example, its port is taken): a
+        # fault of its own, not every rank's, so it reports it itself.
+        print(f"error: cannot start the process group: {error}", file=sys.stderr, flush=True)
+        sys.exit(1)
     except UsageError as error:
         if int(os.environ.get("RANK", "0")) == 0:
             print(f"error: {error}", file=sys.stderr, flush=True)

@@ -5,6 +5,7 @@ import math
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -18,6 +19,11 @@ ROOT = Path(__file__).resolve().parents[1]
 SHARED_DATA = ROOT.parent / "shared" / "data"
 BIN = Path(sys.executable).parent
 ON_GPU = torch.cuda.is_available()
+README = (ROOT / "README.md").read_text()
+# The environment's bin first on PATH, as when it is activated: DeepSpeed builds and loads its op with
+# the ninja installed beside it (it fails without one on PATH, even with the op cached), and always
+# the same ninja (two ninja versions disagree about the cached build and rebuild it every time).
+DEEPSPEED_ENV = {"PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}"}
 
 # Small settings for quick runs on the synthetic data: 24 divides by 1, 2, 3 and 4 processes, and
 # the synthetic training set (2,400 samples) gives 100 steps per epoch.
@@ -35,6 +41,19 @@ def python(script, *args):
 def torchrun(nproc, script, *args):
     # --standalone: a private rendezvous on a free port, so concurrent jobs cannot collide.
     return [str(BIN / "torchrun"), "--standalone", f"--nproc_per_node={nproc}", script, *map(str, args)]
+
+
+def free_port():
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def deepspeed(nproc, script, *args, port=None):
+    """The deepspeed launcher; on a CPU --num_gpus is the number of processes. A free port instead of
+    the launcher's fixed default (29500), so that concurrent jobs cannot collide."""
+    return [str(BIN / "deepspeed"), f"--num_gpus={nproc}", f"--master_port={port or free_port()}", script,
+            *map(str, args)]
 
 
 def accelerate_launch(nproc, script, *args, config_precision=ON_GPU):

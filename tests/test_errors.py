@@ -1,20 +1,130 @@
-"""Bad input: one clear line from one rank, a non-zero exit, within seconds (never a hang)."""
+"""Bad input: one clear line from one process, a non-zero exit, within seconds (never a hang).
 
-from helpers import FAST, ON_GPU, check_one_error, python, run, torchrun
+The README's "Bad input" table is checked here row by row: each row's input is run as a user would
+run it, and what it prints must be the row's message word for word (with DIR, FILE and PORT in
+place of this run's temporary paths and port). A row without a case here fails, and so does a case
+without a row.
+"""
+
+import re
+import socket
+
+import numpy as np
+import pytest
+from helpers import (
+    BIN,
+    DEEPSPEED_ENV,
+    FAST,
+    ON_GPU,
+    README,
+    check_one_error,
+    deepspeed,
+    error_lines,
+    python,
+    run,
+    torchrun,
+)
 
 from common import models, utils
 
 
-def test_global_batch_not_divisible_by_world_size(tmp_path):
-    result = run(torchrun(3, "04_cifar10_ddp.py", *FAST, "--batch-size", 32, "--output-dir", tmp_path), timeout=90)
-    check_one_error(result, "--batch-size 32 is not divisible by the world size 3")
+def bad_input_table():
+    """{bad input: message} from the README's "Bad input" table."""
+    section = README.split("### Bad input", 1)[1].split("\n#", 1)[0]
+    return dict(re.findall(r"^\| (.+?) \| `(.+?)` \|$", section, flags=re.M))
 
 
-def test_offline_without_data_names_the_directory_and_synthetic(tmp_path):
-    data_dir = tmp_path / "no-data"
-    result = run(python("01_cifar10_cpu.py", "--data-dir", data_dir, "--output-dir", tmp_path), timeout=120)
-    check_one_error(result, str(data_dir), "--synthetic")
-    assert "Traceback" not in result.stderr
+@pytest.fixture
+def busy_port():
+    """A port that another program listens on, as another job's rendezvous would."""
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        yield holder.getsockname()[1]
+
+
+def tiny_cifar10(data_dir, train_size, test_size):
+    """A --data-dir in the array layout, with random images."""
+    data_dir.mkdir()
+    generator = np.random.default_rng(0)
+    for name, size in (("train", train_size), ("test", test_size)):
+        np.savez(data_dir / f"{name}.npz", images=generator.integers(0, 256, (size, 32, 32, 3), dtype=np.uint8),
+                 labels=generator.integers(0, 10, size, dtype=np.uint8))
+    return data_dir
+
+
+def truncated_checkpoint(output_dir):
+    path = output_dir / "checkpoint.pt"
+    utils.save_atomic({"model": models.ResNet9().state_dict()}, path)
+    path.write_bytes(path.read_bytes()[:5000])
+    return output_dir
+
+
+def cases(tmp, port):
+    """{bad input: (command, environment, {text of this run: its placeholder in the README})}."""
+    out = ["--output-dir", tmp / "out"]
+    absent, a_file, bad_json, no_config = tmp / "absent", tmp / "file", tmp / "bad.json", tmp / "absent.json"
+    a_file.touch()
+    bad_json.write_text('{"zero_optimization": ')
+    torchrun_at_port = [str(BIN / "torchrun"), "--nproc_per_node=2", f"--master_port={port}"]
+    return {
+        "a global batch that the world size does not divide":
+            (torchrun(3, "04_cifar10_ddp.py", *FAST, "--batch-size", 32, *out), {}, {}),
+        "`--batch-size` of 0 or less": (python("02_cifar10_gpu.py", *FAST, "--batch-size", 0, *out), {}, {}),
+        "`--epochs` of 0 or less": (python("02_cifar10_gpu.py", *FAST, "--epochs", -1, *out), {}, {}),
+        "an unknown `--amp`": (python("02_cifar10_gpu.py", *FAST, "--amp", "fp8", *out), {}, {}),
+        "`--amp fp16` without a GPU": (python("02_cifar10_gpu.py", *FAST, "--amp", "fp16", *out), {}, {}),
+        "no data set in `--data-dir`, no network":
+            (python("01_cifar10_cpu.py", "--data-dir", absent, *out), {}, {str(absent): "DIR"}),
+        "a `--data-dir` that is a file":
+            (python("02_cifar10_gpu.py", "--data-dir", a_file, *out), {}, {str(a_file): "FILE"}),
+        "a world size larger than the test set":
+            (torchrun(3, "04_cifar10_ddp.py", *FAST[1:], "--data-dir", tiny_cifar10(tmp / "tiny", 48, 2), *out),
+             {}, {}),
+        "`--resume` with no checkpoint":
+            (python("01_cifar10_cpu.py", *FAST, "--resume", *out), {}, {str(tmp / "out"): "DIR"}),
+        "a corrupt or truncated checkpoint":
+            (python("03_cifar10_dataparallel.py", *FAST, "--resume", "--output-dir", truncated_checkpoint(tmp)), {},
+             {str(tmp): "DIR"}),
+        "04 started without torchrun": (python("04_cifar10_ddp.py", *FAST, *out), {}, {}),
+        "a missing DeepSpeed config": (python("05_cifar10_deepspeed.py", *FAST, "--deepspeed-config", no_config, *out),
+                                       DEEPSPEED_ENV, {str(no_config): "FILE"}),
+        "a malformed DeepSpeed config": (python("05_cifar10_deepspeed.py", *FAST, "--deepspeed-config", bad_json, *out),
+                                         DEEPSPEED_ENV, {str(bad_json): "FILE"}),
+        # torchrun's agent opens the rendezvous before it starts any worker: the message is torchrun's.
+        "the rendezvous port in use (torchrun)":
+            ([*torchrun_at_port, "04_cifar10_ddp.py", *FAST, *out], {}, {str(port): "PORT"}),
+        # The deepspeed launcher leaves it to the workers: rank 0 cannot listen, and says so.
+        "the rendezvous port in use (deepspeed)":
+            (deepspeed(2, "05_cifar10_deepspeed.py", *FAST, *out, port=port), {**DEEPSPEED_ENV, "OMP_NUM_THREADS": "1"},
+             {str(port): "PORT"}),
+    }
+
+
+ROWS = bad_input_table()
+
+
+def test_the_readme_table_and_the_cases_match(tmp_path, busy_port):
+    assert sorted(ROWS) == sorted(cases(tmp_path, busy_port))
+
+
+@pytest.mark.parametrize("bad_input", sorted(ROWS))
+def test_bad_input_gets_the_readme_message(bad_input, tmp_path, busy_port):
+    if bad_input == "`--amp fp16` without a GPU" and ON_GPU:
+        pytest.skip("a GPU machine accepts --amp fp16")
+    command, env, placeholders = cases(tmp_path, busy_port)[bad_input]
+    result = run(command, timeout=120, env=env)
+    if bad_input == "the rendezvous port in use (torchrun)":
+        assert result.returncode != 0 and not error_lines(result)
+        line = result.stderr.strip().splitlines()[-1]
+    else:
+        line = check_one_error(result)
+    # No traceback from the script (a launcher may add its own failure report), no usage text.
+    assert not re.search(r'File ".*0\d_\w+\.py"', result.stderr) and "usage:" not in result.stderr
+    for text, placeholder in placeholders.items():
+        line = line.replace(text, placeholder)
+    assert line == ROWS[bad_input]
+    assert not (tmp_path / "out" / "metrics.json").exists()
 
 
 def test_offline_without_data_under_torchrun(tmp_path):
@@ -22,34 +132,3 @@ def test_offline_without_data_under_torchrun(tmp_path):
     data_dir = tmp_path / "no-data"
     result = run(torchrun(2, "04_cifar10_ddp.py", "--data-dir", data_dir, "--output-dir", tmp_path), timeout=120)
     check_one_error(result, str(data_dir), "--synthetic")
-
-
-def test_data_dir_that_is_a_file(tmp_path):
-    not_a_dir = tmp_path / "file"
-    not_a_dir.write_text("")
-    result = run(python("02_cifar10_gpu.py", "--data-dir", not_a_dir, "--output-dir", tmp_path), timeout=60)
-    check_one_error(result, "is a file, not a directory")
-
-
-def test_corrupt_checkpoint(tmp_path):
-    path = tmp_path / "checkpoint.pt"
-    utils.save_atomic({"model": models.ResNet9().state_dict()}, path)
-    path.write_bytes(path.read_bytes()[:5000])
-    result = run(python("03_cifar10_dataparallel.py", *FAST, "--resume", "--output-dir", tmp_path), timeout=60)
-    check_one_error(result, "corrupt or truncated")
-    assert "Traceback" not in result.stderr
-
-
-def test_resume_without_checkpoint(tmp_path):
-    result = run(python("01_cifar10_cpu.py", *FAST, "--resume", "--output-dir", tmp_path), timeout=60)
-    check_one_error(result, "no checkpoint")
-
-
-def test_bad_flag_values(tmp_path):
-    for args, message in ((["--batch-size", "0"], "--batch-size: must be a positive integer"),
-                          (["--epochs", "-1"], "--epochs: must be a positive integer"),
-                          (["--amp", "fp8"], "invalid choice: 'fp8'"),
-                          *([] if ON_GPU else [(["--amp", "fp16"], "--amp fp16 needs a GPU")])):
-        result = run(python("02_cifar10_gpu.py", *FAST, *args, "--output-dir", tmp_path), timeout=60)
-        check_one_error(result, message)
-        assert "Traceback" not in result.stderr and "usage:" not in result.stderr

@@ -12,9 +12,8 @@ import subprocess
 import sys
 
 import pytest
-from helpers import ROOT
+from helpers import README, ROOT
 
-README = (ROOT / "README.md").read_text()
 STEP_SCRIPTS = sorted(path.name for path in ROOT.glob("0[1-9]_*.py"))
 LAUNCHERS = ("python", "torchrun", "deepspeed", "accelerate", "bash", "CUDA_VISIBLE_DEVICES", "OMP_NUM_THREADS")
 
