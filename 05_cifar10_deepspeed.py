@@ -37,6 +37,7 @@ import torch
 import torch.distributed as dist  # [04]
 import torch.nn.functional as F
 from deepspeed.accelerator import get_accelerator  # [05]
+from deepspeed.runtime.zero.utils import ZeRORuntimeException  # [05]
 from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint  # [05]
 from torch.utils.data import DataLoader, Subset  # [04]
 from torch.utils.data.distributed import DistributedSampler  # [04]
@@ -276,7 +277,10 @@ def load_checkpoint(args, model):  # [05]
     directory = os.path.join(args.output_dir, "checkpoints")  # [05]
     if not os.path.isfile(os.path.join(directory, "latest")):  # [05]
         raise utils.UsageError(f"--resume: no checkpoint in {directory}; run once with --save-every first")
-    _, checkpoint = model.load_checkpoint(directory)  # [05] every rank reads its shard of the `latest` one
+    try:  # [05] every rank reads its shard of the `latest` checkpoint
+        _, checkpoint = model.load_checkpoint(directory)
+    except ZeRORuntimeException as error:  # [05] ZeRO's shards fit only the world size that wrote them
+        raise utils.UsageError(f"cannot resume from {directory}: {error}") from None
     utils.check_resumable(checkpoint, batch_size=args.batch_size, epochs=args.epochs, seed=args.seed)
     utils.set_rng_state(checkpoint["rng"])
     print0(f"resumed from step {checkpoint['step']}")

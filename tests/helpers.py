@@ -10,6 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -194,6 +195,16 @@ def check_exact_resume(launch, tmp_path, stop=STOP, end=END, env=None):
     assert (b["steps"], b["epochs_completed"]) == (end, end // STEPS_PER_EPOCH)
     assert (a["test_loss"], a["test_accuracy"]) == (b["test_loss"], b["test_accuracy"])
     return stopped
+
+
+def tiny_cifar10(data_dir, train_size, test_size):
+    """A --data-dir in the array layout (common/data.py) with random images: a data set of any size."""
+    data_dir.mkdir()
+    generator = np.random.default_rng(0)
+    for name, size in (("train", train_size), ("test", test_size)):
+        np.savez(data_dir / f"{name}.npz", images=generator.integers(0, 256, (size, 32, 32, 3), dtype=np.uint8),
+                 labels=generator.integers(0, 10, size, dtype=np.uint8))
+    return data_dir
 
 
 def mnist_data_dir(tmp_path):

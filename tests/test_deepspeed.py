@@ -78,6 +78,10 @@ def test_resume_with_zero3_matches_uninterrupted_run(tmp_path):
     checkpoints = stopped / "checkpoints"
     assert (checkpoints / "latest").read_text() == "step60"
     assert [path.name for path in checkpoints.iterdir() if path.is_dir()] == ["step60"]  # older tags removed
+    # ZeRO-3's shards fit 2 processes only: 3 are refused, in one line.
+    result = run(torchrun(3, SCRIPT, *FAST, "--epochs", 2, "--max-steps", 70, "--zero-stage", 3, "--resume",
+                          "--output-dir", stopped), timeout=120, env=DEEPSPEED_ENV)
+    check_one_error(result, "used a DP world size of 2 but the current world size is 3")
 
 
 @pytest.mark.parametrize("launcher, nproc, args, message", [

@@ -9,7 +9,6 @@ without a row.
 import re
 import socket
 
-import numpy as np
 import pytest
 from helpers import (
     BIN,
@@ -22,6 +21,7 @@ from helpers import (
     error_lines,
     python,
     run,
+    tiny_cifar10,
     torchrun,
 )
 
@@ -41,16 +41,6 @@ def busy_port():
         holder.bind(("127.0.0.1", 0))
         holder.listen()
         yield holder.getsockname()[1]
-
-
-def tiny_cifar10(data_dir, train_size, test_size):
-    """A --data-dir in the array layout, with random images."""
-    data_dir.mkdir()
-    generator = np.random.default_rng(0)
-    for name, size in (("train", train_size), ("test", test_size)):
-        np.savez(data_dir / f"{name}.npz", images=generator.integers(0, 256, (size, 32, 32, 3), dtype=np.uint8),
-                 labels=generator.integers(0, 10, size, dtype=np.uint8))
-    return data_dir
 
 
 def truncated_checkpoint(output_dir):

@@ -1,14 +1,10 @@
 """Parity: a distributed run ends with the weights of the single-process run (benchmarks/parity.py)."""
 
-import sys
-
+import parity
 import pytest
-from helpers import ROOT, check_ok, run
+from helpers import check_ok, run
 
 from common import models
-
-sys.path.insert(0, str(ROOT / "benchmarks"))
-import parity  # noqa: E402
 
 
 @pytest.fixture(scope="module")
