@@ -68,6 +68,7 @@ class ImageDataset(Dataset):
             image = padded[:, top:top + height, left:left + width]
             if self.flips[index]:
                 image = image.flip(-1)
+        # the default dtype: float32, unless a run changes it (benchmarks/float64.py)
         return (image.to(torch.get_default_dtype()) / 255 - self.mean) / self.std, self.labels[index]
 
 
