@@ -12,6 +12,8 @@ Launch:
     torchrun --nproc_per_node=2 04_cifar10_ddp.py --synthetic --epochs 1   # CPU (gloo), offline
     torchrun --nnodes=2 --node_rank=R --nproc_per_node=N --master_addr=HOST --master_port=29500 \
         04_cifar10_ddp.py                                             # on each of 2 machines
+    TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --standalone --nproc_per_node=N --max-restarts=1 \
+        04_cifar10_ddp.py --save-every 100        # restarted after a failure, resumes from the checkpoint
 
 Next: 05_cifar10_deepspeed.py hands the optimizer step, precision and sharding to DeepSpeed.
 """
@@ -99,7 +101,11 @@ def main():
     scaler = torch.amp.GradScaler(device.type, enabled=args.amp == "fp16")
 
     step, start_epoch = 0, 0
-    if args.resume:
+    # [04] after a worker fails, `torchrun --max-restarts=K` starts all processes again with the same
+    # arguments and counts the restarts in TORCHELASTIC_RESTART_COUNT (0 on the first start): a
+    # restarted process continues from the last checkpoint, or starts over if none was written yet.
+    restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
+    if args.resume or (restarted and os.path.isfile(os.path.join(args.output_dir, "checkpoint.pt"))):  # [04]
         step, start_epoch = load_checkpoint(args, model, optimizer, scheduler, scaler, device)  # [02]
 
     meter = utils.Throughput()

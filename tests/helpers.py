@@ -8,6 +8,7 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -39,9 +40,10 @@ def python(script, *args):
     return [sys.executable, script, *map(str, args)]
 
 
-def torchrun(nproc, script, *args):
+def torchrun(nproc, script, *args, options=()):
+    """torchrun's command line; `options` are more of torchrun's own (for example --max-restarts=1)."""
     # --standalone: a private rendezvous on a free port, so concurrent jobs cannot collide.
-    return [str(BIN / "torchrun"), "--standalone", f"--nproc_per_node={nproc}", script, *map(str, args)]
+    return [str(BIN / "torchrun"), "--standalone", f"--nproc_per_node={nproc}", *options, script, *map(str, args)]
 
 
 def free_port():
@@ -66,8 +68,8 @@ def accelerate_launch(nproc, script, *args, config_precision=ON_GPU):
             script, *map(str, args)]
 
 
-def _descendants(pid):
-    """Every process below `pid` (torchrun starts its workers in sessions of their own)."""
+def _children():
+    """{parent pid: [child pids]} for every process on the machine."""
     children = {}
     for entry in Path("/proc").iterdir():
         if entry.name.isdigit():
@@ -77,6 +79,12 @@ def _descendants(pid):
                 continue
             parent = int(stat.rsplit(")", 1)[1].split()[1])
             children.setdefault(parent, []).append(int(entry.name))
+    return children
+
+
+def _descendants(pid):
+    """Every process below `pid` (torchrun starts its workers in sessions of their own)."""
+    children = _children()
     found, stack = [], [pid]
     while stack:
         for child in children.get(stack.pop(), []):
@@ -100,17 +108,42 @@ def _kill_tree(process):
     return process.communicate()
 
 
-def run(command, timeout=180, env=None):
-    """Run `command` in the repository root; a run that outlasts `timeout` is killed and fails."""
+def workers(process):
+    """{rank: pid} of the worker processes that a launcher (`process`, e.g. torchrun) runs now."""
+    found = {}
+    for pid in _children().get(process.pid, []):
+        try:
+            environment = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        except OSError:  # it has just exited
+            continue
+        for variable in environment:
+            if variable.startswith(b"RANK="):
+                found[int(variable[len(b"RANK="):])] = pid
+    return found
+
+
+def run(command, timeout=180, env=None, poll=None):
+    """Run `command` in the repository root; a run that outlasts `timeout` is killed and fails.
+
+    `poll(process)`, if given, is called about every 0.1 s while the command runs (to inject a fault)."""
     env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "PYTHONUNBUFFERED": "1", **(env or {})}
     process = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                text=True, start_new_session=True)
+    deadline = time.monotonic() + timeout
     try:
-        stdout, stderr = process.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        stdout, stderr = _kill_tree(process)
-        pytest.fail(f"hung: killed after {timeout}s: {' '.join(command)}\n{stdout[-3000:]}\n{stderr[-3000:]}")
-    return subprocess.CompletedProcess(command, process.returncode, stdout, stderr)
+        while time.monotonic() < deadline:
+            try:
+                # Waiting in communicate() keeps reading the pipes: a full pipe would stall the command.
+                stdout, stderr = process.communicate(timeout=0.1 if poll else timeout)
+                return subprocess.CompletedProcess(command, process.returncode, stdout, stderr)
+            except subprocess.TimeoutExpired:
+                if poll:
+                    poll(process)
+    except BaseException:  # a failed check in `poll`, or Ctrl-C: leave nothing running
+        _kill_tree(process)
+        raise
+    stdout, stderr = _kill_tree(process)
+    pytest.fail(f"hung: killed after {timeout}s: {' '.join(command)}\n{stdout[-3000:]}\n{stderr[-3000:]}")
 
 
 def check_ok(result):

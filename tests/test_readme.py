@@ -15,7 +15,8 @@ import pytest
 from helpers import README, ROOT
 
 STEP_SCRIPTS = sorted(path.name for path in ROOT.glob("0[1-9]_*.py"))
-LAUNCHERS = ("python", "torchrun", "deepspeed", "accelerate", "bash", "CUDA_VISIBLE_DEVICES", "OMP_NUM_THREADS")
+LAUNCHERS = ("python", "torchrun", "deepspeed", "accelerate", "bash", "CUDA_VISIBLE_DEVICES", "OMP_NUM_THREADS",
+             "TORCH_DISABLE_SHARE_RDZV_TCP_STORE")
 
 
 def shell_commands(text):
