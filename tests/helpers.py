@@ -27,10 +27,10 @@ README = (ROOT / "README.md").read_text()
 # the same ninja (two ninja versions disagree about the cached build and rebuild it every time).
 DEEPSPEED_ENV = {"PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}"}
 
-# Small settings for quick runs on the synthetic data: 24 divides by 1, 2, 3 and 4 processes, and
-# the synthetic training set (2,400 samples) gives 100 steps per epoch.
-FAST = ["--synthetic", "--num-workers", "0", "--batch-size", "24", "--lr", "0.1", "--epochs", "1"]
-STEPS_PER_EPOCH = 100
+# Small settings for quick runs: 24 divides by 1, 2, 3 and 4 processes, and the synthetic training
+# set (2,400 samples) gives 100 steps per epoch.
+QUICK = ["--num-workers", "0", "--batch-size", "24", "--lr", "0.1", "--epochs", "1"]
+FAST = ["--synthetic", *QUICK]
 # A smoke run: enough steps for every step's net to beat chance clearly on the synthetic data.
 SMOKE_STEPS = 30
 SMOKE = [*FAST, "--max-steps", str(SMOKE_STEPS)]
@@ -208,28 +208,6 @@ def check_run(output_dir, script, world_size, amp="none", model_class=models.Res
     return metrics
 
 
-# Resume: two epochs; the first run stops in the middle of epoch 1, the resumed run crosses into epoch 2.
-STOP, END = 60, 130
-assert STOP < STEPS_PER_EPOCH < END < 2 * STEPS_PER_EPOCH
-
-
-def check_exact_resume(launch, tmp_path, stop=STOP, end=END, env=None):
-    """A run stopped at `stop` and resumed to `end` ends with the weights and metrics of a run
-    straight to `end`. `launch(*args)` gives the command line."""
-    args = [*FAST, "--epochs", "2"]
-    straight, stopped = tmp_path / "straight", tmp_path / "stopped"
-    check_ok(run(launch(*args, "--max-steps", end, "--output-dir", straight), env=env))
-    check_ok(run(launch(*args, "--max-steps", stop, "--save-every", 25, "--output-dir", stopped), env=env))
-    resumed = check_ok(run(launch(*args, "--max-steps", end, "--save-every", 25, "--resume", "--output-dir", stopped),
-                           env=env))
-    assert f"resumed from step {stop}" in resumed.stdout
-    assert_same_weights(straight / "model.pt", stopped / "model.pt")
-    a, b = read_metrics(straight), read_metrics(stopped)
-    assert (b["steps"], b["epochs_completed"]) == (end, end // STEPS_PER_EPOCH)
-    assert (a["test_loss"], a["test_accuracy"]) == (b["test_loss"], b["test_accuracy"])
-    return stopped
-
-
 def tiny_cifar10(data_dir, train_size, test_size):
     """A --data-dir in the array layout (common/data.py) with random images: a data set of any size."""
     data_dir.mkdir()
@@ -238,6 +216,48 @@ def tiny_cifar10(data_dir, train_size, test_size):
         np.savez(data_dir / f"{name}.npz", images=generator.integers(0, 256, (size, 32, 32, 3), dtype=np.uint8),
                  labels=generator.integers(0, 10, size, dtype=np.uint8))
     return data_dir
+
+
+def tiny_mnist(data_dir, train_size, test_size):
+    """A --data-dir in torchvision's MNIST layout (the four IDX files, uncompressed, in MNIST/raw/)
+    with random digits: a data set of any size, which torchvision loads offline."""
+    raw = data_dir / "MNIST" / "raw"
+    raw.mkdir(parents=True)
+    generator = np.random.default_rng(0)
+    for name, size in (("train", train_size), ("t10k", test_size)):
+        images = generator.integers(0, 256, (size, 28, 28), dtype=np.uint8)
+        labels = generator.integers(0, 10, size, dtype=np.uint8)
+        # IDX: a magic number (0x08 = unsigned bytes, then the number of dimensions), the sizes as
+        # big-endian int32, the data.
+        for kind, array in (("images-idx3", images), ("labels-idx1", labels)):
+            header = np.array([0x0800 + array.ndim, *array.shape], dtype=">i4").tobytes()
+            (raw / f"{name}-{kind}-ubyte").write_bytes(header + array.tobytes())
+    return data_dir
+
+
+# Resume on a small data set, 10 steps of 24 samples per epoch, for two epochs: the first run stops
+# in the middle of epoch 1, between two checkpoints; the resumed run crosses into epoch 2.
+RESUME_TRAIN_SIZE, RESUME_TEST_SIZE, RESUME_STEPS_PER_EPOCH = 240, 10, 10
+STOP, END, SAVE_EVERY = 6, 14, 4
+assert STOP < RESUME_STEPS_PER_EPOCH < END < 2 * RESUME_STEPS_PER_EPOCH and STOP % SAVE_EVERY
+
+
+def check_exact_resume(launch, tmp_path, make_data=tiny_cifar10, env=None):
+    """A run stopped at STOP and resumed to END ends with the weights and metrics of a run straight to
+    END. `launch(*args)` gives the command line; `make_data` writes the data set. Returns the stopped
+    run's output directory and its arguments, without --max-steps."""
+    data_dir = make_data(tmp_path / "data", RESUME_TRAIN_SIZE, RESUME_TEST_SIZE)
+    args = ["--data-dir", data_dir, *QUICK, "--epochs", 2, "--save-every", SAVE_EVERY]
+    straight, stopped = tmp_path / "straight", tmp_path / "stopped"
+    check_ok(run(launch(*args, "--max-steps", END, "--output-dir", straight), env=env))
+    check_ok(run(launch(*args, "--max-steps", STOP, "--output-dir", stopped), env=env))
+    resumed = check_ok(run(launch(*args, "--max-steps", END, "--resume", "--output-dir", stopped), env=env))
+    assert f"resumed from step {STOP}" in resumed.stdout
+    assert_same_weights(straight / "model.pt", stopped / "model.pt")
+    a, b = read_metrics(straight), read_metrics(stopped)
+    assert (b["steps"], b["epochs_completed"]) == (END, END // RESUME_STEPS_PER_EPOCH)
+    assert (a["test_loss"], a["test_accuracy"]) == (b["test_loss"], b["test_accuracy"])
+    return stopped, args
 
 
 def mnist_data_dir(tmp_path):

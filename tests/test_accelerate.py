@@ -2,6 +2,7 @@
 
 import pytest
 from helpers import (
+    END,
     FAST,
     ON_GPU,
     SMOKE,
@@ -14,6 +15,7 @@ from helpers import (
     python,
     read_metrics,
     run,
+    tiny_mnist,
     torchrun,
 )
 
@@ -39,12 +41,11 @@ def test_plain_python_is_a_world_of_one(tmp_path):
 
 def test_resume_mid_epoch_matches_uninterrupted_run(tmp_path):
     """Dropout draws from each process's own random state: load_state must restore it on every process."""
-    stopped = check_exact_resume(lambda *args: torchrun(2, SCRIPT, *args, *ADAMW), tmp_path)
-    # Only the newest complete checkpoint is kept (--save-every 25: steps 25, 50, 60, 75, ..., 125, 130).
-    assert [path.name for path in (stopped / "checkpoints").iterdir()] == ["step_130"]
+    stopped, args = check_exact_resume(lambda *args: torchrun(2, SCRIPT, *args, *ADAMW), tmp_path, tiny_mnist)
+    # Only the newest complete checkpoint is kept (of steps 4, 6, 8, 12 and 14).
+    assert [path.name for path in (stopped / "checkpoints").iterdir()] == [f"step_{END}"]
     # The random states are per process: a checkpoint of 2 processes does not resume in 1.
-    result = run(python(SCRIPT, *FAST, *ADAMW, "--epochs", 2, "--max-steps", 140, "--resume", "--output-dir", stopped),
-                 timeout=60)
+    result = run(python(SCRIPT, *args, *ADAMW, "--max-steps", END + 4, "--resume", "--output-dir", stopped), timeout=60)
     check_one_error(result, "world_size=2, this run has 1", "number of processes")
 
 

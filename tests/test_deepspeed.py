@@ -9,6 +9,7 @@ has to cover it.
 import pytest
 from helpers import (
     DEEPSPEED_ENV,
+    END,
     FAST,
     ON_GPU,
     SMOKE,
@@ -73,13 +74,13 @@ def test_deepspeed_step(launcher, nproc, zero_stage, amp, ddp_weights, tmp_path)
 def test_resume_with_zero3_matches_uninterrupted_run(tmp_path):
     """Stopped and resumed (both mid-epoch) equals one go: every rank saves and reloads its own shard of
     the weights and the optimizer state, and `latest` names the newest complete checkpoint."""
-    stopped = check_exact_resume(lambda *args: torchrun(2, SCRIPT, *args, "--zero-stage", 3), tmp_path,
-                                 stop=30, end=60, env=DEEPSPEED_ENV)
+    stopped, args = check_exact_resume(lambda *args: torchrun(2, SCRIPT, *args, "--zero-stage", 3), tmp_path,
+                                       env=DEEPSPEED_ENV)
     checkpoints = stopped / "checkpoints"
-    assert (checkpoints / "latest").read_text() == "step60"
-    assert [path.name for path in checkpoints.iterdir() if path.is_dir()] == ["step60"]  # older tags removed
+    assert (checkpoints / "latest").read_text() == f"step{END}"
+    assert [path.name for path in checkpoints.iterdir() if path.is_dir()] == [f"step{END}"]  # older tags removed
     # ZeRO-3's shards fit 2 processes only: 3 are refused, in one line.
-    result = run(torchrun(3, SCRIPT, *FAST, "--epochs", 2, "--max-steps", 70, "--zero-stage", 3, "--resume",
+    result = run(torchrun(3, SCRIPT, *args, "--max-steps", END + 4, "--zero-stage", 3, "--resume",
                           "--output-dir", stopped), timeout=120, env=DEEPSPEED_ENV)
     check_one_error(result, "used a DP world size of 2 but the current world size is 3")
 

@@ -15,6 +15,7 @@ from helpers import (
     DEEPSPEED_ENV,
     FAST,
     ON_GPU,
+    QUICK,
     README,
     check_one_error,
     deepspeed,
@@ -69,7 +70,7 @@ def cases(tmp, port):
         "a `--data-dir` that is a file":
             (python("02_cifar10_gpu.py", "--data-dir", a_file, *out), {}, {str(a_file): "FILE"}),
         "a world size larger than the test set":
-            (torchrun(3, "04_cifar10_ddp.py", *FAST[1:], "--data-dir", tiny_cifar10(tmp / "tiny", 48, 2), *out),
+            (torchrun(3, "04_cifar10_ddp.py", *QUICK, "--data-dir", tiny_cifar10(tmp / "tiny", 48, 2), *out),
              {}, {}),
         "`--resume` with no checkpoint":
             (python("01_cifar10_cpu.py", *FAST, "--resume", *out), {}, {str(tmp / "out"): "DIR"}),
