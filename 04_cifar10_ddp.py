@@ -51,6 +51,10 @@ def main():
         raise utils.UsageError("launch with torchrun, e.g. torchrun --nproc_per_node=2 04_cifar10_ddp.py")
     rank, local_rank, world_size = (int(os.environ[name]) for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE"))
     if torch.cuda.is_available():  # [04]
+        local_world_size = int(os.environ["LOCAL_WORLD_SIZE"])  # processes on this machine: one per GPU
+        if local_world_size > torch.cuda.device_count():
+            raise utils.UsageError(f"{local_world_size} processes on this machine but {torch.cuda.device_count()} "
+                                   "GPU(s): start one process per GPU (--nproc_per_node)")
         torch.cuda.set_device(local_rank)
         device = torch.device("cuda", local_rank)
     else:

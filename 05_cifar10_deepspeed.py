@@ -76,6 +76,11 @@ def main():
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT="0")
     rank, local_rank, world_size = (int(os.environ[name]) for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE"))
     if torch.cuda.is_available():  # [04]
+        # [05] processes on this machine: one per GPU (the deepspeed launcher names it LOCAL_SIZE)
+        local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("LOCAL_SIZE", "1")))
+        if local_world_size > torch.cuda.device_count():
+            raise utils.UsageError(f"{local_world_size} processes on this machine but {torch.cuda.device_count()} "
+                                   "GPU(s): start one process per GPU (--nproc_per_node, --num_gpus)")
         torch.cuda.set_device(local_rank)
         device = torch.device("cuda", local_rank)
     else:

@@ -10,6 +10,7 @@ import re
 import socket
 
 import pytest
+import torch
 from helpers import (
     BIN,
     DEEPSPEED_ENV,
@@ -123,3 +124,13 @@ def test_offline_without_data_under_torchrun(tmp_path):
     data_dir = tmp_path / "no-data"
     result = run(torchrun(2, "04_cifar10_ddp.py", "--data-dir", data_dir, "--output-dir", tmp_path), timeout=120)
     check_one_error(result, str(data_dir), "--synthetic")
+
+
+@pytest.mark.skipif(not ON_GPU, reason="a CPU-only machine runs any number of processes")
+@pytest.mark.parametrize("launcher, script", [(torchrun, "04_cifar10_ddp.py"), (deepspeed, "05_cifar10_deepspeed.py")])
+def test_more_processes_than_gpus(launcher, script, tmp_path):
+    """One process per GPU: a launcher that starts one more gets one line, not a CUDA traceback per rank."""
+    gpus = torch.cuda.device_count()
+    result = run(launcher(gpus + 1, script, *FAST, "--output-dir", tmp_path), timeout=120, env=DEEPSPEED_ENV,
+                 more_processes_than_gpus=True)
+    check_one_error(result, f"{gpus + 1} processes on this machine but {gpus} GPU(s)")
