@@ -122,10 +122,26 @@ def workers(process):
     return found
 
 
-def run(command, timeout=180, env=None, poll=None):
+def processes_per_machine(command):
+    """How many processes a launcher's command line starts on this machine (1 without a launcher)."""
+    for index, arg in enumerate(command):
+        for option in ("--nproc_per_node=", "--num_gpus="):
+            if arg.startswith(option):
+                return int(arg[len(option):])
+        if arg == "--num_processes":
+            return int(command[index + 1])
+    return 1
+
+
+def run(command, timeout=180, env=None, poll=None, more_processes_than_gpus=False):
     """Run `command` in the repository root; a run that outlasts `timeout` is killed and fails.
 
-    `poll(process)`, if given, is called about every 0.1 s while the command runs (to inject a fault)."""
+    `poll(process)`, if given, is called about every 0.1 s while the command runs (to inject a fault).
+    On a GPU machine every process needs a GPU of its own (NCCL): a command that starts more processes
+    than there are GPUs is skipped, unless that is what it tests."""
+    if ON_GPU and not more_processes_than_gpus and processes_per_machine(command) > torch.cuda.device_count():
+        pytest.skip(f"{processes_per_machine(command)} processes need as many GPUs; "
+                    f"this machine has {torch.cuda.device_count()}")
     env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "PYTHONUNBUFFERED": "1", **(env or {})}
     process = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                text=True, start_new_session=True)
