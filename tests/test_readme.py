@@ -33,11 +33,15 @@ def shell_commands(text):
     return commands
 
 
+# Scripts that run a step given after them: the step's arguments are what to check.
+WRAPPERS = ("benchmarks/float64.py", "benchmarks/nondeterministic.py")
+
+
 def script_and_arguments(command):
-    """The repository file a command runs and the arguments it passes to it."""
+    """The repository file a command runs (the step, behind a wrapper) and the arguments it passes to it."""
     words = shlex.split(command)
     for index, word in enumerate(words):
-        if word.endswith((".py", ".sh")):
+        if word.endswith((".py", ".sh")) and not (word in WRAPPERS and index + 1 < len(words)):
             return word, words[index + 1:]
     return None, []
 
