@@ -54,7 +54,7 @@ def seed_everything(seed):
     own keeps running) on an operation that has none; cuBLAS needs CUBLAS_WORKSPACE_CONFIG for it,
     set before its first use. The mode would also fill every uninitialised tensor (`torch.empty`)
     with NaN, which matters only to code that reads memory before writing it, and costs DeepSpeed's
-    ZeRO-1/2 a pass over its 2 GB gradient bucket at every step (20 times slower on a CPU): that
+    ZeRO-1/2 a pass over its 2 GB gradient bucket at every step (21 times slower on a CPU): that
     part stays off.
     """
     random.seed(seed)
