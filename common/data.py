@@ -10,6 +10,7 @@ optimizer step i are the same whatever the world size, a distributed run can be 
 single-process run, and a resumed run can pick up in the middle of an epoch.
 """
 
+import math
 import os
 import socket
 
@@ -232,6 +233,13 @@ def load_mnist(root, synthetic, seed=0):
     return _datasets(*splits, seed, augment=False)
 
 
-def num_batches(dataset_size, batch_size):
-    """Optimizer steps per epoch: only full global batches (drop_last), at every world size."""
-    return dataset_size // batch_size
+def equal_batches(dataset_size, world_size, rank, batch_size):
+    """Batches of positions in rank `rank`'s slice of a data set (samples rank, rank + world_size, ...),
+    at most `batch_size` long, and as many on every rank: a slice one sample shorter than another could
+    otherwise need one batch fewer."""
+    if dataset_size < world_size:
+        raise UsageError(f"the test set has {dataset_size} samples, fewer than the {world_size} processes")
+    longest_slice = math.ceil(dataset_size / world_size)
+    count = min(math.ceil(longest_slice / batch_size), dataset_size // world_size)
+    slice_size = len(range(rank, dataset_size, world_size))
+    return [positions.tolist() for positions in torch.arange(slice_size).tensor_split(count)]

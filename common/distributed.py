@@ -2,7 +2,10 @@
 
 import os
 
+import torch
 import torch.distributed as dist
+
+from common.utils import UsageError
 
 
 def is_main_process():
@@ -26,3 +29,20 @@ def all_reduce_mean(value):
     dist.all_reduce(value, op=dist.ReduceOp.SUM)
     return value / dist.get_world_size()
 
+
+def default_to_a_world_of_one():
+    """Started by plain `python`, no launcher has set the environment that `init_process_group`
+    reads: set it for a world of one process. Port 0: the OS picks a free port, since no other
+    process has to find it."""
+    if "LOCAL_RANK" not in os.environ:
+        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1",
+                          MASTER_ADDR="127.0.0.1", MASTER_PORT="0")
+
+
+def require_one_gpu_per_process():
+    """NCCL needs a GPU of its own for every process: refuse more processes on this machine than it
+    has GPUs (torchrun calls their number LOCAL_WORLD_SIZE, the deepspeed launcher LOCAL_SIZE)."""
+    processes = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("LOCAL_SIZE", "1")))
+    if processes > torch.cuda.device_count():
+        raise UsageError(f"{processes} processes on this machine but {torch.cuda.device_count()} GPU(s): "
+                         "start one process per GPU (--nproc_per_node, --num_gpus)")

@@ -1,4 +1,4 @@
-"""The command-line contract that every step shares (see the README's "Command-line contract")."""
+"""The command-line contract that every step shares (the README's "The command-line contract")."""
 
 import argparse
 import os
@@ -8,11 +8,22 @@ import torch
 from common import models
 from common.utils import UsageError
 
+# --amp's choices as autocast dtypes; None means plain fp32.
+AMP_DTYPES = {"none": None, "fp16": torch.float16, "bf16": torch.bfloat16}
+
 
 class _Parser(argparse.ArgumentParser):
     def error(self, message):
-        # argparse would print the usage and exit from every rank; one line from rank 0 is enough.
+        # argparse would print the usage and exit from every rank; one line from one process is enough.
         raise UsageError(message)
+
+    def parse_args(self, args=None, namespace=None):
+        parsed = super().parse_args(args, namespace)
+        if getattr(parsed, "amp", None) == "fp16" and not torch.cuda.is_available():
+            # fp16 on a CPU is slow, and without a GPU there is no loss scaling to keep its gradients alive.
+            hint = " (accelerate launch: --mixed_precision no)" if "ACCELERATE_MIXED_PRECISION" in os.environ else ""
+            raise UsageError(f"--amp fp16 needs a GPU; on the CPU use --amp bf16 or --amp none{hint}")
+        return parsed
 
 
 def _positive_int(text):
@@ -37,7 +48,7 @@ def _positive_float(text):
 
 
 def build_parser(script_file, description, *, epochs, batch_size, lr):
-    """A parser holding the shared flags; a step may add its own before parsing."""
+    """A parser holding the flags that every step has; a step adds its own before parsing."""
     script = os.path.splitext(os.path.basename(script_file))[0]
     parser = _Parser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--data-dir", default="./data", help="where the data set lives or is downloaded to")
@@ -50,28 +61,39 @@ def build_parser(script_file, description, *, epochs, batch_size, lr):
     parser.add_argument("--lr", type=_positive_float, default=lr, help="peak learning rate")
     parser.add_argument("--seed", type=int, default=0, help="seed for the weights, data order and augmentation")
     parser.add_argument("--num-workers", type=_non_negative_int, default=2, help="data-loader worker processes")
-    parser.add_argument("--amp", choices=["none", "fp16", "bf16"], default="none", help="mixed precision")
     parser.add_argument("--output-dir", default=os.path.join("runs", script), help="where outputs go")
     parser.add_argument("--save-every", type=_non_negative_int, default=0,
                         help="write a resumable checkpoint every N optimizer steps (and at the end)")
     parser.add_argument("--resume", action="store_true",
                         help="continue from the checkpoint in --output-dir")
+    # Older launchers pass the local rank as an argument (torch.distributed.launch: --local-rank=N, the
+    # deepspeed launcher: --local_rank=N). Accepted and ignored: the steps read LOCAL_RANK, which every
+    # launcher sets.
+    parser.add_argument("--local-rank", "--local_rank", type=int, help=argparse.SUPPRESS)
     return parser
 
 
-# --amp's choices as autocast dtypes; None means plain fp32.
-AMP_DTYPES = {"none": None, "fp16": torch.float16, "bf16": torch.bfloat16}
+def add_amp_argument(parser, default="none"):
+    """--amp, for the steps that train in mixed precision (02 onwards); fp16 is refused without a GPU."""
+    parser.add_argument("--amp", choices=list(AMP_DTYPES), default=default,
+                        help="mixed precision: fp16 (with loss scaling) or bf16")
 
 
-def accept_local_rank_argument(parser):
-    """Accept the local rank that older launchers pass as an argument (torch.distributed.launch:
-    --local-rank, the deepspeed launcher: --local_rank); the scripts read LOCAL_RANK instead, which
-    every launcher sets."""
-    parser.add_argument("--local-rank", "--local_rank", type=int, default=None, help=argparse.SUPPRESS)
+def accelerate_launch_amp():
+    """The mixed precision that `accelerate launch` passes in the environment, as an --amp value."""
+    precision = os.environ.get("ACCELERATE_MIXED_PRECISION", "no")
+    return "none" if precision == "no" else precision
 
 
 def add_norm_argument(parser):
     """ResNet-9's normalisation layers (the CIFAR-10 steps)."""
     parser.add_argument("--norm", choices=models.NORMS, default="batch",
                         help="batch: BatchNorm (faster to train); group: GroupNorm, whose result does not depend "
-                             "on how the batch is split across processes (see the README's Parity section)")
+                             "on how the batch is split across processes (docs/parity.md)")
+
+
+def add_dropout_argument(parser):
+    """--no-dropout: MnistCNN's counterpart of --norm group (step 06)."""
+    parser.add_argument("--no-dropout", action="store_true",
+                        help="train without dropout, so that the result does not depend on the number of processes "
+                             "(docs/parity.md)")

@@ -22,7 +22,7 @@ def norm_layer(norm, channels):
     """BatchNorm normalises each channel over the batch that this process sees, so a distributed
     run (N smaller batches) computes a different function than one process with the whole batch.
     GroupNorm normalises over groups of channels of each sample alone: the same function at any
-    world size, so that a distributed run can be checked against a single-process one (README: Parity)."""
+    world size, so that a distributed run can be checked against a single-process one (docs/parity.md)."""
     return nn.BatchNorm2d(channels) if norm == "batch" else nn.GroupNorm(8, channels)
 
 
@@ -67,7 +67,7 @@ class MnistCNN(nn.Module):
         self.conv1 = nn.Conv2d(1, 32, kernel_size=3)  # 28x28 -> 26x26
         self.conv2 = nn.Conv2d(32, 64, kernel_size=3)  # -> 24x24, max-pooled to 12x12
         # Each process draws its own dropout masks, for its share of the batch: a distributed run
-        # drops other units than one process would. dropout=False makes the two comparable (README: Parity).
+        # drops other units than one process would. dropout=False makes the two comparable (docs/parity.md).
         self.dropout1 = nn.Dropout(0.25 if dropout else 0.0)
         self.dropout2 = nn.Dropout(0.5 if dropout else 0.0)
         self.fc1 = nn.Linear(64 * 12 * 12, 128)

@@ -1,64 +1,86 @@
 """Helpers that every step uses the same way and that are not the lesson.
 
-Errors, seeding, RNG state, atomic writes and a throughput meter. The distributed helpers live in
-`common/distributed.py`.
+Errors, seeding, deterministic kernels, RNG state, atomic writes, JSON settings files and a throughput
+meter. The distributed helpers live in `common/distributed.py`.
 """
 
 import json
 import os
 import random
+import shutil
 import sys
 import tempfile
 import time
 
 import torch
 import torch.distributed as dist
+from torch.distributed.elastic.multiprocessing.errors import ErrorHandler, record
 
 
 class UsageError(Exception):
-    """Bad input: reported as one line by one process, then a non-zero exit."""
+    """Bad input: reported as one `error:` line, then exit status 2."""
+
+
+class _OneLineErrorHandler(ErrorHandler):
+    """torchrun's error handler (what `record` writes to the file torchrun reads back), with bad input
+    recorded as its one `error:` line instead of a traceback."""
+
+    def record_exception(self, e):
+        line = _error_line(e)
+        if line is None:
+            return super().record_exception(e)
+        if os.environ.get("TORCHELASTIC_ERROR_FILE"):
+            with open(os.environ["TORCHELASTIC_ERROR_FILE"], "w") as file:
+                json.dump({"message": {"message": line, "extraInfo": {"py_callstack": line,
+                                                                      "timestamp": str(int(time.time()))}}}, file)
+
+
+def _error_line(error):
+    if isinstance(error, UsageError):
+        return f"error: {error}"
+    if isinstance(error, dist.DistNetworkError):  # this process could not open or reach the rendezvous
+        return f"error: cannot start the process group: {error}"
+    return None
 
 
 def run(main):
-    """Run a script's `main()`; a UsageError becomes one line on stderr (rank 0 only) and exit 2, a
-    failure to start the process group one line from the failing process and exit 1.
+    """Run a script's `main()`. Bad input (a UsageError, or a rendezvous that cannot start) ends the
+    process with one `error:` line and exit status 2; any other exception propagates with its traceback.
 
-    Every rank raises the same UsageError (the checks are deterministic), so every rank exits and
-    none is left waiting in a collective.
+    Every process finds the same bad input (the checks are deterministic), and each exits: none is left
+    waiting in a collective. torchrun (and `accelerate launch`, which runs it) collects every worker's
+    error through `record` and names the first in its failure table, so under torchrun the workers
+    print nothing. Without torchrun, the first process of each machine prints the line.
     """
     try:
-        main()
-    except dist.DistNetworkError as error:
-        # This process could not open or reach the rendezvous (for example, its port is taken): a
-        # fault of its own, not every rank's, so it reports it itself.
-        print(f"error: cannot start the process group: {error}", file=sys.stderr, flush=True)
-        sys.exit(1)
-    except UsageError as error:
-        if int(os.environ.get("RANK", "0")) == 0:
-            print(f"error: {error}", file=sys.stderr, flush=True)
-        else:
-            # The launcher stops the other ranks as soon as one exits: give rank 0 time to report.
-            time.sleep(2)
+        record(main, error_handler=_OneLineErrorHandler())()
+    except (UsageError, dist.DistNetworkError) as error:
+        if not os.environ.get("TORCHELASTIC_ERROR_FILE") and os.environ.get("LOCAL_RANK", "0") == "0":
+            print(_error_line(error), file=sys.stderr, flush=True)
         if dist.is_available() and dist.is_initialized():
             dist.destroy_process_group()
         sys.exit(2)
 
 
 def seed_everything(seed):
-    """Seed Python and torch (CPU and every GPU), and use deterministic algorithms only, so that a
-    run is repeatable and a resumed run ends where an uninterrupted one does.
-
-    On a GPU the fastest kernels are not always deterministic (some cuDNN convolutions, kernels that
-    add with atomics): two runs of the same seed then drift apart within a few dozen steps.
-    `use_deterministic_algorithms` picks deterministic ones, and warns (`warn_only`: a model of your
-    own keeps running) on an operation that has none; cuBLAS needs CUBLAS_WORKSPACE_CONFIG for it,
-    set before its first use. The mode would also fill every uninitialised tensor (`torch.empty`)
-    with NaN, which matters only to code that reads memory before writing it, and costs DeepSpeed's
-    ZeRO-1/2 a pass over its 2 GB gradient bucket at every step (21 times slower on a CPU): that
-    part stays off.
-    """
+    """Seed Python's and torch's random number generators (CPU and every GPU)."""
     random.seed(seed)
     torch.manual_seed(seed)
+
+
+def use_deterministic_kernels():
+    """Only deterministic GPU kernels, so that two runs of one seed, and a run stopped and resumed, end
+    with the same weights (`--resume` is exact).
+
+    By default cuDNN picks the fastest convolution algorithms, and some of them (and every kernel that
+    adds with atomics) round differently from run to run; training amplifies that within a few dozen
+    steps. `torch.use_deterministic_algorithms` picks deterministic kernels, and warns (`warn_only`: a
+    model of your own keeps running) on an operation that has none; cuBLAS needs
+    CUBLAS_WORKSPACE_CONFIG for it, set before its first use. The mode would also fill every
+    uninitialised tensor (`torch.empty`) with NaN, which matters only to code that reads memory before
+    writing it, and costs DeepSpeed's ZeRO-1/2 a pass over its 2 GB gradient bucket at every step (21
+    times slower on a CPU): that part stays off.
+    """
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     torch.use_deterministic_algorithms(True, warn_only=True)
     torch.utils.deterministic.fill_uninitialized_memory = False
@@ -112,6 +134,25 @@ def write_json(obj, path):
 def write_text(text, path):
     """Write the string `text`, atomically."""
     _atomic_write(path, lambda file: file.write(text), "w")
+
+
+def remove_other_checkpoints(directory, keep):
+    """Delete every entry of `directory` but `keep` (a checkpoint directory) and `latest`: once the
+    newest checkpoint is complete, the older ones are no longer needed."""
+    for name in os.listdir(directory):
+        if name not in (keep, "latest"):
+            shutil.rmtree(os.path.join(directory, name), ignore_errors=True)
+
+
+def read_json(path, flag):
+    """The JSON file that `flag` names, with one clear error when it is missing or malformed."""
+    try:
+        with open(path) as file:
+            return json.load(file)
+    except OSError as error:
+        raise UsageError(f"{flag} {path}: {error.strerror}") from None
+    except ValueError as error:
+        raise UsageError(f"{flag} {path} is not valid JSON: {error}") from None
 
 
 def load_checkpoint(path, map_location):
