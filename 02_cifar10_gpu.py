@@ -1,8 +1,8 @@
 """Step 02: the same loop on one GPU, with mixed precision.
 
-New: the model and every batch move to the GPU (`.to(device)`, pinned memory, non-blocking
-copies), and --amp fp16/bf16 runs the forward pass under `torch.autocast`, with a `GradScaler`
-for fp16. Lines new in this step are marked `# [02]`. Without a GPU it runs on the CPU.
+New (lines marked `# [02]`): the model and every batch move to the GPU (`.to(device)`, pinned memory,
+non-blocking copies), --amp runs the forward pass under `torch.autocast` (fp16 with a `GradScaler`),
+and deterministic kernels keep --resume exact. Without a GPU it runs on the CPU.
 
 Launch:
     python 02_cifar10_gpu.py --amp bf16               # CIFAR-10 on GPU 0 (fp16 on pre-Ampere GPUs)
@@ -26,6 +26,7 @@ from common import data, flags, models, utils
 def parse_args():
     parser = flags.build_parser(__file__, __doc__, epochs=10, batch_size=256, lr=0.2)
     flags.add_norm_argument(parser)
+    flags.add_amp_argument(parser)  # [02]
     return parser.parse_args()
 
 
@@ -33,10 +34,10 @@ def main():
     args = parse_args()
     utils.seed_everything(args.seed)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # [02]
-    if device.type == "cpu":  # [02]
-        print("no GPU found: training on the CPU")
-    if args.amp == "fp16" and device.type == "cpu":  # [02]
-        raise utils.UsageError("--amp fp16 needs a GPU; on the CPU use --amp bf16 or --amp none")
+    if device.type == "cuda":  # [02]
+        utils.use_deterministic_kernels()  # [02] or --resume drifts from an uninterrupted run; ~6% slower
+    else:  # [02]
+        print("no GPU found: training on the CPU")  # [02]
     amp_dtype = flags.AMP_DTYPES[args.amp]  # [02] None: plain fp32
 
     if not args.synthetic:
@@ -48,19 +49,17 @@ def main():
     # The loader gets its own generator: otherwise every epoch's iterator draws a seed from the
     # global RNG, and a resumed run's random numbers would no longer match an uninterrupted run's.
     train_loader = DataLoader(train_set, batch_size=args.batch_size, sampler=sampler, drop_last=True,
-                              num_workers=args.num_workers, generator=torch.Generator().manual_seed(args.seed),
-                              pin_memory=device.type == "cuda")  # [02] page-locked batches copy asynchronously
-    test_loader = DataLoader(test_set, batch_size=args.batch_size, num_workers=args.num_workers,
-                             pin_memory=device.type == "cuda")  # [02]
+                              generator=torch.Generator().manual_seed(args.seed),
+                              num_workers=args.num_workers, pin_memory=device.type == "cuda")  # [02] copies overlap
+    test_loader = DataLoader(test_set, batch_size=args.batch_size,
+                             num_workers=args.num_workers, pin_memory=device.type == "cuda")  # [02]
 
     model = models.ResNet9(norm=args.norm).to(device)
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9, nesterov=True, weight_decay=5e-4)
     total_steps = args.epochs * len(train_loader)
     scheduler = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=args.lr, total_steps=total_steps)
     last_step = min(args.max_steps, total_steps) if args.max_steps else total_steps
-    # [02] fp16 gradients can underflow to zero: the scaler multiplies the loss before backward and
-    # divides the gradients after; bf16 has fp32's range and needs none (then it does nothing).
-    scaler = torch.amp.GradScaler(device.type, enabled=args.amp == "fp16")
+    scaler = torch.amp.GradScaler(device.type, enabled=args.amp == "fp16")  # [02] fp16: small gradients would underflow
 
     step, start_epoch = 0, 0
     if args.resume:
@@ -72,14 +71,15 @@ def main():
         sampler.set_epoch(epoch)
         train_set.set_epoch(epoch)  # augmentation draws depend on (seed, epoch, sample) only
         meter.start()
-        train_loss, new_step = train_one_epoch(args, model, train_loader, optimizer, scheduler, scaler,  # [02]
-                                               device, amp_dtype, epoch, step, last_step)
+        train_loss, new_step = train_one_epoch(args, model, train_loader, optimizer, scheduler,
+                                               scaler, amp_dtype, device, epoch, step, last_step)  # [02]
         meter.stop((new_step - step) * args.batch_size)
         step = new_step
         test_loss, test_accuracy, test_samples = evaluate(model, test_loader, device, amp_dtype)  # [02]
-        print(f"epoch {epoch + 1}/{args.epochs}  step {step}  train_loss {train_loss:.4f}  "
-              f"test_loss {test_loss:.4f}  test_accuracy {test_accuracy:.4f}  "
-              f"samples/s {meter.samples_per_second:.1f}  elapsed {time.perf_counter() - start_time:.1f}s")
+        print(
+            f"epoch {epoch + 1}/{args.epochs}  step {step}  train_loss {train_loss:.4f}  "
+            f"test_loss {test_loss:.4f}  test_accuracy {test_accuracy:.4f}  "
+            f"samples/s {meter.samples_per_second:.1f}  elapsed {time.perf_counter() - start_time:.1f}s")
         if step >= last_step:
             break
 
@@ -87,7 +87,7 @@ def main():
         "script": os.path.basename(__file__),
         "data": "synthetic" if args.synthetic else "cifar10",
         "device": device.type,
-        "amp": args.amp,
+        "amp": args.amp,  # [02]
         "world_size": 1,
         "global_batch_size": args.batch_size,
         "steps": step,
@@ -103,17 +103,19 @@ def main():
     utils.write_json(metrics, os.path.join(args.output_dir, "metrics.json"))
 
 
-def train_one_epoch(args, model, loader, optimizer, scheduler, scaler, device, amp_dtype, epoch, step, last_step):
+def train_one_epoch(args, model, loader, optimizer, scheduler,
+                    scaler, amp_dtype, device, epoch, step, last_step):  # [02]
     """Train until the end of `epoch` or `last_step`; returns the mean loss and the new step."""
     model.train()
     done = step - epoch * len(loader)  # batches of this epoch already trained (resuming mid-epoch)
     end = min(len(loader), done + last_step - step)
     loss_sum = torch.zeros((), device=device)
-    progress = tqdm(itertools.islice(loader, done, end), total=end - done, desc=f"epoch {epoch + 1}", leave=False)
+    progress = tqdm(itertools.islice(loader, done, end), total=end - done,
+                    desc=f"epoch {epoch + 1}", leave=False)
     for images, labels in progress:
         images, labels = images.to(device, non_blocking=True), labels.to(device, non_blocking=True)  # [02]
         with torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None):  # [02]
-            loss = F.cross_entropy(model(images), labels)
+            loss = F.cross_entropy(model(images), labels)  # [02]
         optimizer.zero_grad(set_to_none=True)
         scaler.scale(loss).backward()  # [02]
         scaler.step(optimizer)  # [02] unscales the gradients; skips the step if they overflowed
@@ -129,14 +131,14 @@ def train_one_epoch(args, model, loader, optimizer, scheduler, scaler, device, a
 
 
 @torch.no_grad()
-def evaluate(model, loader, device, amp_dtype):
+def evaluate(model, loader, device, amp_dtype):  # [02]
     """Mean loss and accuracy over the whole test set; returns them and the number of samples."""
     model.eval()
     totals = torch.zeros(3, dtype=torch.float64, device=device)  # loss sum, correct, samples
     for images, labels in loader:
         images, labels = images.to(device, non_blocking=True), labels.to(device, non_blocking=True)  # [02]
         with torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None):  # [02]
-            logits = model(images)
+            logits = model(images)  # [02]
         totals[0] += F.cross_entropy(logits.float(), labels, reduction="sum")
         totals[1] += (logits.argmax(dim=1) == labels).sum()
         totals[2] += len(labels)
@@ -144,7 +146,7 @@ def evaluate(model, loader, device, amp_dtype):
     return loss_sum / samples, correct / samples, int(samples)
 
 
-def save_checkpoint(args, model, optimizer, scheduler, scaler, epoch, step):
+def save_checkpoint(args, model, optimizer, scheduler, scaler, epoch, step):  # [02]
     """Everything a resumed run needs to continue as if it had never stopped."""
     utils.save_atomic({
         "model": model.state_dict(),
@@ -160,7 +162,7 @@ def save_checkpoint(args, model, optimizer, scheduler, scaler, epoch, step):
     }, os.path.join(args.output_dir, "checkpoint.pt"))
 
 
-def load_checkpoint(args, model, optimizer, scheduler, scaler, device):
+def load_checkpoint(args, model, optimizer, scheduler, scaler, device):  # [02]
     """Restore `save_checkpoint`'s state; returns the step and the epoch to continue from."""
     checkpoint = utils.load_checkpoint(os.path.join(args.output_dir, "checkpoint.pt"), map_location=device)
     utils.check_resumable(checkpoint, batch_size=args.batch_size, epochs=args.epochs, seed=args.seed)

@@ -1,19 +1,12 @@
 """Step 04: one process per GPU, with `DistributedDataParallel` (DDP), launched by torchrun.
 
-New (relative to step 02; lines marked `# [04]`): torchrun starts N copies of this script and
-tells each its rank through the environment; each process drives one GPU, reads its own slice of
-every global batch (`DistributedSampler`), and DDP averages the gradients across processes during
-backward, so every replica takes the same optimizer step. Evaluation splits the test set without
-overlap and sums the counts across ranks; rank 0 alone prints and writes files. On machines
-without GPUs the processes use the gloo backend on the CPU.
+New (relative to step 02; lines marked `# [04]`): torchrun starts one process per GPU; each reads its
+share of every global batch (`DistributedSampler`), DDP averages the gradients during backward, the
+ranks' test counts are summed, and rank 0 alone writes. Without GPUs: gloo on the CPU.
 
 Launch:
-    torchrun --nproc_per_node=N 04_cifar10_ddp.py --amp bf16           # N GPUs on this machine
-    torchrun --nproc_per_node=2 04_cifar10_ddp.py --synthetic --epochs 1   # CPU (gloo), offline
-    torchrun --nnodes=2 --node_rank=R --nproc_per_node=N --master_addr=HOST --master_port=29500 \
-        04_cifar10_ddp.py                                             # on each of 2 machines
-    TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --standalone --nproc_per_node=N --max-restarts=1 \
-        04_cifar10_ddp.py --save-every 100        # restarted after a failure, resumes from the checkpoint
+    torchrun --nproc_per_node=N 04_cifar10_ddp.py --amp bf16              # N GPUs on this machine
+    torchrun --standalone --nproc_per_node=2 04_cifar10_ddp.py --synthetic --epochs 1   # CPU (gloo), offline
 
 Next: 05_cifar10_deepspeed.py hands the optimizer step, precision and sharding to DeepSpeed.
 """
@@ -27,48 +20,41 @@ import torch
 import torch.distributed as dist  # [04]
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel  # [04]
-from torch.utils.data import DataLoader, Subset  # [04]
-from torch.utils.data.distributed import DistributedSampler  # [04]
+from torch.utils.data import DataLoader, DistributedSampler, Subset  # [04]
 from tqdm import tqdm
 
-from common import data, flags, models, utils
-from common.distributed import all_reduce_mean, print0  # [04]
+from common import data, distributed, flags, models, utils  # [04]
 
 
 def parse_args():
     parser = flags.build_parser(__file__, __doc__, epochs=10, batch_size=256, lr=0.2)
     flags.add_norm_argument(parser)
-    flags.accept_local_rank_argument(parser)  # [04]
+    flags.add_amp_argument(parser)  # [02]
     return parser.parse_args()
 
 
 def main():
     args = parse_args()
     utils.seed_everything(args.seed)
-    # [04] torchrun tells each process who it is: its rank among all processes, its rank on this
-    # machine (which GPU to drive) and how many processes there are.
-    if "LOCAL_RANK" not in os.environ:
-        raise utils.UsageError("launch with torchrun, e.g. torchrun --nproc_per_node=2 04_cifar10_ddp.py")
-    rank, local_rank, world_size = (int(os.environ[name]) for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE"))
-    if torch.cuda.is_available():  # [04]
-        local_world_size = int(os.environ["LOCAL_WORLD_SIZE"])  # processes on this machine: one per GPU
-        if local_world_size > torch.cuda.device_count():
-            raise utils.UsageError(f"{local_world_size} processes on this machine but {torch.cuda.device_count()} "
-                                   "GPU(s): start one process per GPU (--nproc_per_node)")
-        torch.cuda.set_device(local_rank)
-        device = torch.device("cuda", local_rank)
-    else:
-        device = torch.device("cpu")
-        print0("no GPU found: training on the CPU with the gloo backend")
-    # [04] a short timeout: a rank that dies or waits for a peer that never comes fails the job in
-    # minutes instead of gloo's default 30.
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=datetime.timedelta(minutes=5))
-    if args.batch_size % world_size:  # [04] --batch-size is global: each process takes an equal share
-        raise utils.UsageError(f"--batch-size {args.batch_size} is not divisible by the world size {world_size}")
-    batch_size = args.batch_size // world_size  # [04]
-    if args.amp == "fp16" and device.type == "cpu":  # [02]
-        raise utils.UsageError("--amp fp16 needs a GPU; on the CPU use --amp bf16 or --amp none")
+    # torchrun starts one process per GPU and tells each its rank, its local rank on this machine (the
+    # GPU it drives) and the world size. The seed above is the same on every rank: so are the weights.
+    distributed.default_to_a_world_of_one()  # [04] started by plain `python`
+    rank, local_rank, world_size = (int(os.environ[name]) for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE"))  # [04]
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # [02]
+    if device.type == "cuda":  # [02]
+        distributed.require_one_gpu_per_process()  # [04]
+        torch.cuda.set_device(local_rank)  # [04] before any CUDA work, or every process would use GPU 0
+        utils.use_deterministic_kernels()  # [02] or --resume drifts from an uninterrupted run; ~6% slower
+    else:  # [02]
+        distributed.print0("no GPU found: training on the CPU with the gloo backend")  # [04]
+    # A short timeout: a rank that dies, or waits for a peer that never comes, fails the job in
+    # minutes instead of after gloo's default 30.
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=datetime.timedelta(minutes=5))  # [04]
     amp_dtype = flags.AMP_DTYPES[args.amp]  # [02] None: plain fp32
+    if args.batch_size % world_size:  # [04] --batch-size is global: each process takes an equal share
+        raise utils.UsageError(f"--batch-size {args.batch_size} is not divisible "  # [04]
+                               f"by the world size {world_size}")  # [04]
+    batch_size = args.batch_size // world_size  # [04]
 
     if local_rank == 0 and not args.synthetic:  # [04] one download per machine, never two into one directory
         data.download_cifar10(args.data_dir)
@@ -76,39 +62,33 @@ def main():
     train_set, test_set = data.load_cifar10(args.data_dir, args.synthetic, seed=args.seed)
     if args.batch_size > len(train_set):
         raise utils.UsageError(f"--batch-size {args.batch_size} is larger than the training set ({len(train_set)})")
-    if len(test_set) < world_size:  # [04] each rank evaluates its own slice of the test set: none may be empty
-        raise utils.UsageError(f"the test set has {len(test_set)} samples, fewer than the {world_size} processes")
-    # [04] every rank shuffles with the same seed and keeps every world_size-th sample: the ranks'
-    # batches are disjoint, and together they are the global batch that 01-03 would take.
-    sampler = DistributedSampler(train_set, num_replicas=world_size, rank=rank, seed=args.seed, drop_last=True)
+    # Every rank shuffles with the same seed and keeps every world_size-th sample: the ranks' batches are
+    # disjoint, and together they are the global batch that 01-03 take.
+    sampler = DistributedSampler(train_set, num_replicas=world_size, rank=rank, seed=args.seed, drop_last=True)  # [04]
     # The loader gets its own generator: otherwise every epoch's iterator draws a seed from the
     # global RNG, and a resumed run's random numbers would no longer match an uninterrupted run's.
     train_loader = DataLoader(train_set, batch_size=batch_size, sampler=sampler, drop_last=True,  # [04]
-                              num_workers=args.num_workers, generator=torch.Generator().manual_seed(args.seed),
-                              pin_memory=device.type == "cuda")  # [02] page-locked batches copy asynchronously
-    # [04] each rank evaluates a disjoint slice; not DistributedSampler, which pads the slices to equal
-    # length with repeated samples, so some test samples would be counted twice.
-    test_shard = Subset(test_set, range(rank, len(test_set), world_size))
-    test_loader = DataLoader(test_shard, batch_size=batch_size, num_workers=args.num_workers,
-                             pin_memory=device.type == "cuda")  # [02]
+                              generator=torch.Generator().manual_seed(args.seed),
+                              num_workers=args.num_workers, pin_memory=device.type == "cuda")  # [02] copies overlap
+    # Each rank evaluates a disjoint slice; not DistributedSampler, which pads the slices to equal length
+    # with repeated samples, so some test samples would be counted twice.
+    test_shard = Subset(test_set, range(rank, len(test_set), world_size))  # [04]
+    test_loader = DataLoader(test_shard, batch_size=batch_size,  # [04]
+                             num_workers=args.num_workers, pin_memory=device.type == "cuda")  # [02]
 
     model = models.ResNet9(norm=args.norm).to(device)
-    # [04] DDP broadcasts rank 0's weights at start, then all-reduces (averages) the gradients
-    # during backward, so every rank takes the same optimizer step and the replicas stay identical.
-    model = DistributedDataParallel(model, device_ids=[local_rank] if device.type == "cuda" else None)
+    # DDP broadcasts rank 0's weights at start, then all-reduces (averages) the gradients during
+    # backward, so every rank takes the same optimizer step and the replicas stay identical.
+    model = DistributedDataParallel(model, device_ids=[local_rank] if device.type == "cuda" else None)  # [04]
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9, nesterov=True, weight_decay=5e-4)
     total_steps = args.epochs * len(train_loader)
     scheduler = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=args.lr, total_steps=total_steps)
     last_step = min(args.max_steps, total_steps) if args.max_steps else total_steps
-    # [02] fp16 gradients can underflow to zero: the scaler multiplies the loss before backward and
-    # divides the gradients after; bf16 has fp32's range and needs none (then it does nothing).
-    scaler = torch.amp.GradScaler(device.type, enabled=args.amp == "fp16")
+    scaler = torch.amp.GradScaler(device.type, enabled=args.amp == "fp16")  # [02] fp16: small gradients would underflow
 
     step, start_epoch = 0, 0
-    # [04] after a worker fails, `torchrun --max-restarts=K` starts all processes again with the same
-    # arguments and counts the restarts in TORCHELASTIC_RESTART_COUNT (0 on the first start): a
-    # restarted process continues from the last checkpoint, or starts over if none was written yet.
-    restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
+    # torchrun --max-restarts=K restarts every process after a failure: continue from the last checkpoint.
+    restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0  # [04]
     if args.resume or (restarted and os.path.isfile(os.path.join(args.output_dir, "checkpoint.pt"))):  # [04]
         step, start_epoch = load_checkpoint(args, model, optimizer, scheduler, scaler, device)  # [02]
 
@@ -118,14 +98,15 @@ def main():
         sampler.set_epoch(epoch)  # [04] without it, DistributedSampler repeats epoch 0's order forever
         train_set.set_epoch(epoch)  # augmentation draws depend on (seed, epoch, sample) only
         meter.start()
-        train_loss, new_step = train_one_epoch(args, model, train_loader, optimizer, scheduler, scaler,  # [02]
-                                               device, amp_dtype, epoch, step, last_step)
+        train_loss, new_step = train_one_epoch(args, model, train_loader, optimizer, scheduler,
+                                               scaler, amp_dtype, device, epoch, step, last_step)  # [02]
         meter.stop((new_step - step) * args.batch_size)
         step = new_step
         test_loss, test_accuracy, test_samples = evaluate(model, test_loader, device, amp_dtype)  # [02]
-        print0(f"epoch {epoch + 1}/{args.epochs}  step {step}  train_loss {train_loss:.4f}  "
-              f"test_loss {test_loss:.4f}  test_accuracy {test_accuracy:.4f}  "
-              f"samples/s {meter.samples_per_second:.1f}  elapsed {time.perf_counter() - start_time:.1f}s")
+        distributed.print0(  # [04]
+            f"epoch {epoch + 1}/{args.epochs}  step {step}  train_loss {train_loss:.4f}  "
+            f"test_loss {test_loss:.4f}  test_accuracy {test_accuracy:.4f}  "
+            f"samples/s {meter.samples_per_second:.1f}  elapsed {time.perf_counter() - start_time:.1f}s")
         if step >= last_step:
             break
 
@@ -133,7 +114,7 @@ def main():
         "script": os.path.basename(__file__),
         "data": "synthetic" if args.synthetic else "cifar10",
         "device": device.type,
-        "amp": args.amp,
+        "amp": args.amp,  # [02]
         "world_size": world_size,  # [04]
         "global_batch_size": args.batch_size,
         "steps": step,
@@ -145,28 +126,28 @@ def main():
         "samples_per_second": meter.samples_per_second,
         "wall_seconds": time.perf_counter() - start_time,
     }
-    if rank == 0:  # [04] one writer; no collective may run in here, or the other ranks would never join it
-        # [04] the weights are in model.module; saving the wrapper would prefix every key with "module."
-        utils.save_atomic(model.module.state_dict(), os.path.join(args.output_dir, "model.pt"))
-        utils.write_json(metrics, os.path.join(args.output_dir, "metrics.json"))
-    # [04] leave together: a rank that tears down its connections while rank 0 is still writing
-    # can abort (gloo) instead of exiting cleanly.
-    dist.barrier()
-    dist.destroy_process_group()
+    if rank == 0:  # [04] one writer. No collective in here: the other ranks would never join it.
+        # The weights are in model.module; saving the wrapper would prefix every key with "module.".
+        utils.save_atomic(model.module.state_dict(), os.path.join(args.output_dir, "model.pt"))  # [04]
+        utils.write_json(metrics, os.path.join(args.output_dir, "metrics.json"))  # [04]
+    # Leave together: a gloo rank that tears down its connections while rank 0 is still writing can abort.
+    dist.barrier()  # [04]
+    dist.destroy_process_group()  # [04]
 
 
-def train_one_epoch(args, model, loader, optimizer, scheduler, scaler, device, amp_dtype, epoch, step, last_step):
+def train_one_epoch(args, model, loader, optimizer, scheduler,
+                    scaler, amp_dtype, device, epoch, step, last_step):  # [02]
     """Train until the end of `epoch` or `last_step`; returns the mean loss and the new step."""
     model.train()
     done = step - epoch * len(loader)  # batches of this epoch already trained (resuming mid-epoch)
     end = min(len(loader), done + last_step - step)
     loss_sum = torch.zeros((), device=device)
-    progress = tqdm(itertools.islice(loader, done, end), total=end - done, desc=f"epoch {epoch + 1}", leave=False,
-                    disable=dist.get_rank() != 0)  # [04]
+    progress = tqdm(itertools.islice(loader, done, end), total=end - done,
+                    desc=f"epoch {epoch + 1}", leave=False, disable=dist.get_rank() != 0)  # [04]
     for images, labels in progress:
         images, labels = images.to(device, non_blocking=True), labels.to(device, non_blocking=True)  # [02]
         with torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None):  # [02]
-            loss = F.cross_entropy(model(images), labels)
+            loss = F.cross_entropy(model(images), labels)  # [02]
         optimizer.zero_grad(set_to_none=True)
         scaler.scale(loss).backward()  # [02]
         scaler.step(optimizer)  # [02] unscales the gradients; skips the step if they overflowed
@@ -175,22 +156,22 @@ def train_one_epoch(args, model, loader, optimizer, scheduler, scaler, device, a
         step += 1
         loss_sum += loss.detach()
         if step % 10 == 0:
-            # [04] the mean over ranks; every rank must run the all-reduce, not only rank 0 that shows it
-            progress.set_postfix(loss=f"{all_reduce_mean(loss).item():.3f}")
+            # The mean over ranks: every rank must run the all-reduce, not only rank 0, which shows it.
+            progress.set_postfix(loss=f"{distributed.all_reduce_mean(loss).item():.3f}")  # [04]
         if args.save_every and (step % args.save_every == 0 or step == last_step) and dist.get_rank() == 0:  # [04]
             save_checkpoint(args, model, optimizer, scheduler, scaler, epoch, step)  # [02]
-    return all_reduce_mean(loss_sum).item() / max(end - done, 1), step  # [04]
+    return distributed.all_reduce_mean(loss_sum).item() / max(end - done, 1), step  # [04]
 
 
 @torch.no_grad()
-def evaluate(model, loader, device, amp_dtype):
+def evaluate(model, loader, device, amp_dtype):  # [02]
     """Mean loss and accuracy over the whole test set; returns them and the number of samples."""
     model.eval()
     totals = torch.zeros(3, dtype=torch.float64, device=device)  # loss sum, correct, samples
     for images, labels in loader:
         images, labels = images.to(device, non_blocking=True), labels.to(device, non_blocking=True)  # [02]
         with torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None):  # [02]
-            logits = model(images)
+            logits = model(images)  # [02]
         totals[0] += F.cross_entropy(logits.float(), labels, reduction="sum")
         totals[1] += (logits.argmax(dim=1) == labels).sum()
         totals[2] += len(labels)
@@ -199,7 +180,7 @@ def evaluate(model, loader, device, amp_dtype):
     return loss_sum / samples, correct / samples, int(samples)
 
 
-def save_checkpoint(args, model, optimizer, scheduler, scaler, epoch, step):
+def save_checkpoint(args, model, optimizer, scheduler, scaler, epoch, step):  # [02]
     """Everything a resumed run needs to continue as if it had never stopped."""
     utils.save_atomic({
         "model": model.module.state_dict(),  # [04]
@@ -215,7 +196,7 @@ def save_checkpoint(args, model, optimizer, scheduler, scaler, epoch, step):
     }, os.path.join(args.output_dir, "checkpoint.pt"))
 
 
-def load_checkpoint(args, model, optimizer, scheduler, scaler, device):
+def load_checkpoint(args, model, optimizer, scheduler, scaler, device):  # [02]
     """Restore `save_checkpoint`'s state; returns the step and the epoch to continue from."""
     checkpoint = utils.load_checkpoint(os.path.join(args.output_dir, "checkpoint.pt"), map_location=device)
     utils.check_resumable(checkpoint, batch_size=args.batch_size, epochs=args.epochs, seed=args.seed)
@@ -224,7 +205,7 @@ def load_checkpoint(args, model, optimizer, scheduler, scaler, device):
     scheduler.load_state_dict(checkpoint["scheduler"])
     scaler.load_state_dict(checkpoint["scaler"])  # [02]
     utils.set_rng_state(checkpoint["rng"])
-    print0(f"resumed from step {checkpoint['step']}")
+    distributed.print0(f"resumed from step {checkpoint['step']}")  # [04]
     return checkpoint["step"], checkpoint["epoch"]
 
 
