@@ -1,7 +1,7 @@
 """Run a step script with float64 as PyTorch's default floating-point type.
 
     python benchmarks/float64.py 01_cifar10_cpu.py --synthetic --norm group
-    torchrun --nproc_per_node=2 benchmarks/float64.py 04_cifar10_ddp.py --synthetic --norm group
+    torchrun --standalone --nproc_per_node=2 benchmarks/float64.py 04_cifar10_ddp.py --synthetic --norm group
 
 The step's weights (common/models.py) and images (common/data.py) are then float64. In float32,
 two runs that sum the same gradients in a different order differ by rounding, and ReLU and
@@ -10,14 +10,11 @@ is a difference in what the runs compute. benchmarks/parity.py uses this; so can
 wants to check their own change. Not for 05: DeepSpeed refuses to reduce float64 gradients.
 """
 
-import os
-import runpy
 import sys
 
 import torch
+from launch import run_step_here
 
 if __name__ == "__main__":
     torch.set_default_dtype(torch.float64)
-    sys.argv = sys.argv[1:]  # the step sees its own command line
-    sys.path[0] = os.path.dirname(os.path.abspath(sys.argv[0]))  # and imports common/ from beside it
-    runpy.run_path(sys.argv[0], run_name="__main__")
+    run_step_here(sys.argv[1:])

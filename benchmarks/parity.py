@@ -1,6 +1,6 @@
 """Parity: a distributed run ends with the weights of the single-process run.
 
-    python benchmarks/parity.py              # the table in the README's Parity section
+    python benchmarks/parity.py              # the table in docs/parity.md
     python benchmarks/parity.py --float32    # the same runs without float64: rounding takes over
     python benchmarks/parity.py --norm batch # the CIFAR-10 steps with their default BatchNorm
 
@@ -14,78 +14,69 @@ Most rows run in float64 (benchmarks/float64.py): in float32, summing the same g
 another order rounds differently, and ReLU and max-pooling amplify that chaotically within a few
 steps. DeepSpeed reduces only 16- and 32-bit gradients, so 05 runs in float32, for 2 steps, before
 the amplification sets in (tests/test_deepspeed.py shows that over 30 steps 05 takes exactly 04's
-steps: its weights equal 04's bit for bit).
-tests/test_parity.py runs every row and holds it to TOLERANCE.
+steps: its weights equal 04's bit for bit). tests/test_parity.py runs every row and holds it to
+TOLERANCE.
 """
 
 import argparse
-import os
 import subprocess
-import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+import launch
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-BIN = Path(sys.executable).parent
-# Largest relative difference a row may show. float64 rows measure 1e-15 (SGD) to 1e-12 (AdamW,
-# whose division by the gradients' root mean square enlarges rounding); BatchNorm over per-process
-# batches instead of the whole one (--norm batch) shows 1.6.
+# Largest relative difference a row may show. float64 rows measure 1e-15 to 1e-12; BatchNorm over
+# per-process batches instead of the whole one (--norm batch) shows differences of order 1.
 TOLERANCE = {"float64": 1e-9, "float32": 1e-4}
 
 CIFAR10 = ["--lr", "0.1"]
-MNIST = ["--no-dropout", "--lr", "0.001"]
+MNIST = ["--no-dropout", "--lr", "0.05"]
 STEPS = 20
 FLOAT32_STEPS = 2  # float32 rounding differences stay near 1e-7 for 2 steps; by 5 they pass 1e-2
 
 
 @dataclass(frozen=True)
-class Run:
+class Row:
     name: str
     script: str
-    launcher: str  # python, torchrun or accelerate
+    launcher: str  # a key of launch.LAUNCHERS
     nproc: int
     dtype: str
     steps: int
-    reference: str | None  # the name of the run it must match
+    reference: str | None  # the name of the row it must match
     args: tuple = ()
 
 
-RUNS = [
-    Run("01", "01_cifar10_cpu.py", "python", 1, "float64", STEPS, None),
-    Run("03", "03_cifar10_dataparallel.py", "python", 1, "float64", STEPS, "01"),
-    Run("04 x2", "04_cifar10_ddp.py", "torchrun", 2, "float64", STEPS, "01"),
-    Run("04 x4", "04_cifar10_ddp.py", "torchrun", 4, "float64", STEPS, "01"),
-    Run("01 fp32", "01_cifar10_cpu.py", "python", 1, "float32", FLOAT32_STEPS, None),
-    Run("05 ZeRO-0 x2", "05_cifar10_deepspeed.py", "torchrun", 2, "float32", FLOAT32_STEPS, "01 fp32",
+ROWS = [
+    Row("01", "01_cifar10_cpu.py", "python", 1, "float64", STEPS, None),
+    Row("03", "03_cifar10_dataparallel.py", "python", 1, "float64", STEPS, "01"),
+    Row("04 x2", "04_cifar10_ddp.py", "torchrun", 2, "float64", STEPS, "01"),
+    Row("04 x4", "04_cifar10_ddp.py", "torchrun", 4, "float64", STEPS, "01"),
+    Row("01 fp32", "01_cifar10_cpu.py", "python", 1, "float32", FLOAT32_STEPS, None),
+    Row("05 ZeRO-0 x2", "05_cifar10_deepspeed.py", "torchrun", 2, "float32", FLOAT32_STEPS, "01 fp32",
         ("--zero-stage", "0")),
-    Run("05 ZeRO-2 x2", "05_cifar10_deepspeed.py", "torchrun", 2, "float32", FLOAT32_STEPS, "01 fp32",
+    Row("05 ZeRO-2 x2", "05_cifar10_deepspeed.py", "torchrun", 2, "float32", FLOAT32_STEPS, "01 fp32",
         ("--zero-stage", "2")),
-    Run("06 x1", "06_mnist_accelerate.py", "python", 1, "float64", STEPS, None),
-    Run("06 x2", "06_mnist_accelerate.py", "accelerate", 2, "float64", STEPS, "06 x1"),
+    Row("06 x1", "06_mnist_accelerate.py", "python", 1, "float64", STEPS, None),
+    Row("06 x2", "06_mnist_accelerate.py", "accelerate", 2, "float64", STEPS, "06 x1"),
 ]
-RUNS_BY_NAME = {run.name: run for run in RUNS}
+ROWS_BY_NAME = {row.name: row for row in ROWS}
 
 # One thread per process everywhere (torchrun's default for its workers): another thread count can
-# take another summation order inside a convolution, which float32 would show. gloo on the loopback
-# interface; the environment's bin on PATH for DeepSpeed's ninja.
-ENV = {"OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo", "PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}"}
+# take another summation order inside a convolution, which float32 would show.
+ENV = launch.environment({"OMP_NUM_THREADS": "1"})
 
 
-def command(run, output_dir, dtype=None, norm="group"):
-    """The command line of `run`, writing into `output_dir`; `dtype` overrides the run's."""
-    launcher = {
-        "python": [sys.executable],
-        "torchrun": [str(BIN / "torchrun"), "--standalone", f"--nproc_per_node={run.nproc}"],
-        "accelerate": [str(BIN / "accelerate"), "launch", "--config_file", "accelerate_config.yaml",
-                       "--num_processes", str(run.nproc), "--main_process_port", "0", "--mixed_precision", "no"],
-    }[run.launcher]
-    in_float64 = ["benchmarks/float64.py"] if (dtype or run.dtype) == "float64" else []
-    options = MNIST if run.script.startswith("06") else [*CIFAR10, "--norm", norm]
-    return [*launcher, *in_float64, run.script, "--synthetic", "--num-workers", "0", "--batch-size", "8",
-            "--epochs", "1", "--max-steps", str(run.steps), *options, *run.args, "--output-dir", str(output_dir)]
+def command(row, output_dir, dtype=None, norm="group"):
+    """The command line of `row`, writing into `output_dir`; `dtype` overrides the row's."""
+    in_float64 = ["benchmarks/float64.py"] if (dtype or row.dtype) == "float64" else []
+    options = MNIST if row.script.startswith("06") else [*CIFAR10, "--norm", norm]
+    script, *wrapped = [*in_float64, row.script]
+    return launch.LAUNCHERS[row.launcher](
+        row.nproc, script, *wrapped, "--synthetic", "--num-workers", 0, "--batch-size", 8, "--epochs", 1,
+        "--max-steps", row.steps, *options, *row.args, "--output-dir", output_dir)
 
 
 def max_relative_difference(path_a, path_b):
@@ -100,26 +91,30 @@ def max_relative_difference(path_a, path_b):
     return worst
 
 
-def main():
+def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--float32", action="store_true", help="run the float64 rows in float32")
     parser.add_argument("--norm", choices=["group", "batch"], default="group", help="the CIFAR-10 steps' --norm")
-    args = parser.parse_args()
+    return parser.parse_args(argv)
+
+
+def main():
+    args = parse_args()
     dtype = "float32" if args.float32 else None
 
-    print(f"synthetic data, global batch 8, --norm {args.norm}, {os.cpu_count()} CPU cores, "
-          f"{'CUDA' if torch.cuda.is_available() else 'CPU, gloo'}")
-    print(f"{'run':<14} {'launcher':<10} {'world':>5} {'dtype':<8} {'steps':>5} {'reference':<9} {'max rel. diff':>13}")
+    print(f"synthetic data, global batch 8, --norm {args.norm}, {'CUDA' if launch.ON_GPU else 'CPU, gloo'}, "
+          f"torch {torch.__version__}")
+    print(f"{'row':<14} {'launcher':<10} {'world':>5} {'dtype':<8} {'steps':>5} {'reference':<9} {'max rel. diff':>13}")
     with tempfile.TemporaryDirectory() as scratch:
-        for run in RUNS:
-            output_dir = Path(scratch) / run.name
-            subprocess.run(command(run, output_dir, dtype, args.norm), cwd=ROOT, env={**os.environ, **ENV}, check=True,
+        for row in ROWS:
+            output_dir = Path(scratch) / row.name
+            subprocess.run(command(row, output_dir, dtype, args.norm), cwd=launch.ROOT, env=ENV, check=True,
                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=600)
-            if run.reference:
+            if row.reference:
                 difference = max_relative_difference(output_dir / "model.pt",
-                                                     Path(scratch) / run.reference / "model.pt")
-                print(f"{run.name:<14} {run.launcher:<10} {run.nproc:>5} {dtype or run.dtype:<8} {run.steps:>5} "
-                      f"{run.reference:<9} {difference:>13.1e}", flush=True)
+                                                     Path(scratch) / row.reference / "model.pt")
+                print(f"{row.name:<14} {row.launcher:<10} {row.nproc:>5} {dtype or row.dtype:<8} {row.steps:>5} "
+                      f"{row.reference:<9} {difference:>13.1e}", flush=True)
 
 
 if __name__ == "__main__":

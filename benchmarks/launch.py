@@ -1,0 +1,82 @@
+"""How the tests and the benchmarks start the steps: the tour's scripts, the command lines of their
+launchers, and the environment they run in. The tests import it too (tests/conftest.py)."""
+
+import os
+import runpy
+import socket
+import sys
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+# Real data for offline measurements (the official MNIST archives, real CIFAR-10 images as arrays):
+# beside the checkout on the project's machines, absent from a reader's clone.
+SHARED_DATA = ROOT.parent / "shared" / "data"
+BIN = Path(sys.executable).parent
+ON_GPU = torch.cuda.is_available()
+
+# Each step's script, and the step it is written from: the diff between the two is the step's lesson.
+SCRIPTS = {
+    "01": "01_cifar10_cpu.py",
+    "02": "02_cifar10_gpu.py",
+    "03": "03_cifar10_dataparallel.py",
+    "04": "04_cifar10_ddp.py",
+    "05": "05_cifar10_deepspeed.py",
+    "06": "06_mnist_accelerate.py",
+}
+BASES = {"02": "01", "03": "02", "04": "02", "05": "04", "06": "04"}
+
+
+def environment(extra=None):
+    """The environment a step runs in: the environment's bin first on PATH, as when it is activated
+    (DeepSpeed builds and loads its op with the ninja installed beside it, and always the same ninja:
+    two versions disagree about the cached build and rebuild it every time), gloo on the loopback
+    interface (one machine), and output that is not held back."""
+    return {**os.environ, "PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}",
+            "GLOO_SOCKET_IFNAME": os.environ.get("GLOO_SOCKET_IFNAME", "lo"), "PYTHONUNBUFFERED": "1",
+            **(extra or {})}
+
+
+def free_port():
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def python(script, *args):
+    return [sys.executable, str(script), *map(str, args)]
+
+
+def torchrun(nproc, script, *args, options=()):
+    """torchrun's command line; `options` are more of torchrun's own (for example --max-restarts=1).
+    --standalone: a private rendezvous on a free port, so that concurrent jobs cannot collide."""
+    return [str(BIN / "torchrun"), "--standalone", f"--nproc_per_node={nproc}", *options, str(script),
+            *map(str, args)]
+
+
+def deepspeed(nproc, script, *args, port=None):
+    """The deepspeed launcher; without GPUs --num_gpus is the number of processes. A free port instead of
+    the launcher's fixed default (29500), so that concurrent jobs cannot collide."""
+    return [str(BIN / "deepspeed"), f"--num_gpus={nproc}", f"--master_port={port or free_port()}", str(script),
+            *map(str, args)]
+
+
+def accelerate_launch(nproc, script, *args, config_precision=ON_GPU):
+    """`accelerate launch` with the repository's config, as the README says. The config's fp16 needs a
+    GPU: without one it is overridden, unless `config_precision`. Port 0: a free port."""
+    return [str(BIN / "accelerate"), "launch", "--config_file", "accelerate_config.yaml", "--num_processes", str(nproc),
+            "--main_process_port", "0", *([] if config_precision else ["--mixed_precision", "no"]),
+            str(script), *map(str, args)]
+
+
+LAUNCHERS = {"python": lambda nproc, script, *args: python(script, *args), "torchrun": torchrun,
+             "deepspeed": deepspeed, "accelerate": accelerate_launch}
+
+
+def run_step_here(argv):
+    """Run the step script that `argv` names first, with the rest as its command line, in this process
+    (as `python STEP ARGS` would, but after the caller has changed something in PyTorch)."""
+    sys.argv = argv
+    sys.path[0] = os.path.dirname(os.path.abspath(argv[0]))  # the step imports common/ from beside it
+    runpy.run_path(argv[0], run_name="__main__")
