@@ -1,4 +1,4 @@
-"""Lets the tests import benchmarks/parity.py (the parity runs and their comparison) as `parity`."""
+"""The tests import the benchmarks' modules (launch.py: how to start a step; parity.py: the parity rows)."""
 
 import sys
 from pathlib import Path

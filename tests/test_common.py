@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 import torch
-from helpers import mnist_data_dir
+from data_dirs import mnist_data_dir
 from torch.utils.data.distributed import DistributedSampler
 
 from common import data, models, utils

@@ -1,9 +1,9 @@
-"""Bad input: one clear line from one process, a non-zero exit, within seconds (never a hang).
+"""Bad input: one clear line, reported once, a non-zero exit, within seconds (never a hang).
 
-The README's "Bad input" table is checked here row by row: each row's input is run as a user would
-run it, and what it prints must be the row's message word for word (with DIR, FILE and PORT in
-place of this run's temporary paths and port). A row without a case here fails, and so does a case
-without a row.
+The "Bad input" table of docs/troubleshooting.md is checked here row by row: each row's input is run
+as a user would run it, and the line it reports must be the row's message word for word (with DIR,
+FILE and PORT in place of this run's temporary paths and port). A row without a case here fails, and
+so does a case without a row.
 """
 
 import re
@@ -11,28 +11,19 @@ import socket
 
 import pytest
 import torch
-from helpers import (
-    BIN,
-    DEEPSPEED_ENV,
-    FAST,
-    ON_GPU,
-    QUICK,
-    README,
-    check_one_error,
-    deepspeed,
-    error_lines,
-    python,
-    run,
-    tiny_cifar10,
-    torchrun,
-)
+from data_dirs import tiny_cifar10
+from jobs import SHORT_RUN_ARGS, SYNTHETIC_ARGS, run_job
+from launch import BIN, ON_GPU, ROOT, deepspeed, python, torchrun
+from outputs import check_one_error, printed_errors
 
 from common import models, utils
 
+TROUBLESHOOTING = (ROOT / "docs" / "troubleshooting.md").read_text()
+
 
 def bad_input_table():
-    """{bad input: message} from the README's "Bad input" table."""
-    section = README.split("### Bad input", 1)[1].split("\n#", 1)[0]
+    """{bad input: message} from the "Bad input" table."""
+    section = TROUBLESHOOTING.split("## Bad input", 1)[1].split("\n## ", 1)[0]
     return dict(re.findall(r"^\| (.+?) \| `(.+?)` \|$", section, flags=re.M))
 
 
@@ -45,50 +36,61 @@ def busy_port():
         yield holder.getsockname()[1]
 
 
+def checkpoint(output_dir, **contents):
+    utils.save_atomic(contents, output_dir / "checkpoint.pt")
+    return output_dir
+
+
 def truncated_checkpoint(output_dir):
-    path = output_dir / "checkpoint.pt"
-    utils.save_atomic({"model": models.ResNet9().state_dict()}, path)
+    path = checkpoint(output_dir, model=models.ResNet9().state_dict()) / "checkpoint.pt"
     path.write_bytes(path.read_bytes()[:5000])
     return output_dir
 
 
 def cases(tmp, port):
-    """{bad input: (command, environment, {text of this run: its placeholder in the README})}."""
+    """{bad input: (command, environment, {text of this run: its placeholder in the table})}."""
     out = ["--output-dir", tmp / "out"]
     absent, a_file, bad_json, no_config = tmp / "absent", tmp / "file", tmp / "bad.json", tmp / "absent.json"
     a_file.touch()
     bad_json.write_text('{"zero_optimization": ')
+    other_settings = checkpoint(tmp / "other", batch_size=24, epochs=1, seed=0)
     torchrun_at_port = [str(BIN / "torchrun"), "--nproc_per_node=2", f"--master_port={port}"]
     return {
         "a global batch that the world size does not divide":
-            (torchrun(3, "04_cifar10_ddp.py", *FAST, "--batch-size", 32, *out), {}, {}),
-        "`--batch-size` of 0 or less": (python("02_cifar10_gpu.py", *FAST, "--batch-size", 0, *out), {}, {}),
-        "`--epochs` of 0 or less": (python("02_cifar10_gpu.py", *FAST, "--epochs", -1, *out), {}, {}),
-        "an unknown `--amp`": (python("02_cifar10_gpu.py", *FAST, "--amp", "fp8", *out), {}, {}),
-        "`--amp fp16` without a GPU": (python("02_cifar10_gpu.py", *FAST, "--amp", "fp16", *out), {}, {}),
+            (torchrun(3, "04_cifar10_ddp.py", *SYNTHETIC_ARGS, "--batch-size", 32, *out), {}, {}),
+        "`--batch-size` of 0 or less": (python("02_cifar10_gpu.py", *SYNTHETIC_ARGS, "--batch-size", 0, *out), {}, {}),
+        "`--epochs` of 0 or less": (python("02_cifar10_gpu.py", *SYNTHETIC_ARGS, "--epochs", -1, *out), {}, {}),
+        "an unknown `--amp`": (python("02_cifar10_gpu.py", *SYNTHETIC_ARGS, "--amp", "fp8", *out), {}, {}),
+        "`--amp` given to step 01, which trains in fp32":
+            (python("01_cifar10_cpu.py", *SYNTHETIC_ARGS, "--amp", "bf16", *out), {}, {}),
+        "`--amp fp16` without a GPU": (python("02_cifar10_gpu.py", *SYNTHETIC_ARGS, "--amp", "fp16", *out), {}, {}),
         "no data set in `--data-dir`, no network":
             (python("01_cifar10_cpu.py", "--data-dir", absent, *out), {}, {str(absent): "DIR"}),
         "a `--data-dir` that is a file":
             (python("02_cifar10_gpu.py", "--data-dir", a_file, *out), {}, {str(a_file): "FILE"}),
-        "a world size larger than the test set":
-            (torchrun(3, "04_cifar10_ddp.py", *QUICK, "--data-dir", tiny_cifar10(tmp / "tiny", 48, 2), *out),
-             {}, {}),
+        "a world size larger than 05's test set (ZeRO-3 needs a batch on every rank)":
+            (torchrun(3, "05_cifar10_deepspeed.py", *SHORT_RUN_ARGS, "--data-dir", tiny_cifar10(tmp / "tiny", 48, 2),
+                      *out), {}, {}),
         "`--resume` with no checkpoint":
-            (python("01_cifar10_cpu.py", *FAST, "--resume", *out), {}, {str(tmp / "out"): "DIR"}),
+            (python("01_cifar10_cpu.py", *SYNTHETIC_ARGS, "--resume", *out), {}, {str(tmp / "out"): "DIR"}),
+        "`--resume` with other settings than the checkpoint's":
+            (python("01_cifar10_cpu.py", *SYNTHETIC_ARGS, "--batch-size", 48, "--resume",
+                    "--output-dir", other_settings), {}, {}),
         "a corrupt or truncated checkpoint":
-            (python("03_cifar10_dataparallel.py", *FAST, "--resume", "--output-dir", truncated_checkpoint(tmp)), {},
-             {str(tmp): "DIR"}),
-        "04 started without torchrun": (python("04_cifar10_ddp.py", *FAST, *out), {}, {}),
-        "a missing DeepSpeed config": (python("05_cifar10_deepspeed.py", *FAST, "--deepspeed-config", no_config, *out),
-                                       DEEPSPEED_ENV, {str(no_config): "FILE"}),
-        "a malformed DeepSpeed config": (python("05_cifar10_deepspeed.py", *FAST, "--deepspeed-config", bad_json, *out),
-                                         DEEPSPEED_ENV, {str(bad_json): "FILE"}),
+            (python("03_cifar10_dataparallel.py", *SYNTHETIC_ARGS, "--resume", "--output-dir",
+                    truncated_checkpoint(tmp)), {}, {str(tmp): "DIR"}),
+        "a missing DeepSpeed config":
+            (python("05_cifar10_deepspeed.py", *SYNTHETIC_ARGS, "--deepspeed-config", no_config, *out), {},
+             {str(no_config): "FILE"}),
+        "a malformed DeepSpeed config":
+            (python("05_cifar10_deepspeed.py", *SYNTHETIC_ARGS, "--deepspeed-config", bad_json, *out), {},
+             {str(bad_json): "FILE"}),
         # torchrun's agent opens the rendezvous before it starts any worker: the message is torchrun's.
         "the rendezvous port in use (torchrun)":
-            ([*torchrun_at_port, "04_cifar10_ddp.py", *FAST, *out], {}, {str(port): "PORT"}),
+            ([*torchrun_at_port, "04_cifar10_ddp.py", *SYNTHETIC_ARGS, *out], {}, {str(port): "PORT"}),
         # The deepspeed launcher leaves it to the workers: rank 0 cannot listen, and says so.
         "the rendezvous port in use (deepspeed)":
-            (deepspeed(2, "05_cifar10_deepspeed.py", *FAST, *out, port=port), {**DEEPSPEED_ENV, "OMP_NUM_THREADS": "1"},
+            (deepspeed(2, "05_cifar10_deepspeed.py", *SYNTHETIC_ARGS, *out, port=port), {"OMP_NUM_THREADS": "1"},
              {str(port): "PORT"}),
     }
 
@@ -96,18 +98,18 @@ def cases(tmp, port):
 ROWS = bad_input_table()
 
 
-def test_the_readme_table_and_the_cases_match(tmp_path, busy_port):
+def test_the_table_and_the_cases_match(tmp_path, busy_port):
     assert sorted(ROWS) == sorted(cases(tmp_path, busy_port))
 
 
 @pytest.mark.parametrize("bad_input", sorted(ROWS))
-def test_bad_input_gets_the_readme_message(bad_input, tmp_path, busy_port):
+def test_bad_input_gets_the_tables_message(bad_input, tmp_path, busy_port):
     if bad_input == "`--amp fp16` without a GPU" and ON_GPU:
         pytest.skip("a GPU machine accepts --amp fp16")
     command, env, placeholders = cases(tmp_path, busy_port)[bad_input]
-    result = run(command, timeout=120, env=env)
+    result = run_job(command, timeout=120, env=env)
     if bad_input == "the rendezvous port in use (torchrun)":
-        assert result.returncode != 0 and not error_lines(result)
+        assert result.returncode != 0 and not printed_errors(result)
         line = result.stderr.strip().splitlines()[-1]
     else:
         line = check_one_error(result)
@@ -120,9 +122,9 @@ def test_bad_input_gets_the_readme_message(bad_input, tmp_path, busy_port):
 
 
 def test_offline_without_data_under_torchrun(tmp_path):
-    """Rank 0's download fails; every rank still leaves the barrier and reports, only rank 0 prints."""
+    """Local rank 0's download fails; every rank still leaves the barrier, and one error is reported."""
     data_dir = tmp_path / "no-data"
-    result = run(torchrun(2, "04_cifar10_ddp.py", "--data-dir", data_dir, "--output-dir", tmp_path), timeout=120)
+    result = run_job(torchrun(2, "04_cifar10_ddp.py", "--data-dir", data_dir, "--output-dir", tmp_path), timeout=120)
     check_one_error(result, str(data_dir), "--synthetic")
 
 
@@ -131,6 +133,6 @@ def test_offline_without_data_under_torchrun(tmp_path):
 def test_more_processes_than_gpus(launcher, script, tmp_path):
     """One process per GPU: a launcher that starts one more gets one line, not a CUDA traceback per rank."""
     gpus = torch.cuda.device_count()
-    result = run(launcher(gpus + 1, script, *FAST, "--output-dir", tmp_path), timeout=120, env=DEEPSPEED_ENV,
-                 more_processes_than_gpus=True)
+    result = run_job(launcher(gpus + 1, script, *SYNTHETIC_ARGS, "--output-dir", tmp_path), timeout=120,
+                     more_processes_than_gpus=True)
     check_one_error(result, f"{gpus + 1} processes on this machine but {gpus} GPU(s)")

@@ -5,43 +5,56 @@ import os
 import signal
 
 import pytest
-from helpers import FAST, assert_same_weights, check_ok, load_state, python, run, torchrun, workers
+from jobs import MNIST_LR, SYNTHETIC_ARGS, run_job, workers
+from launch import python, torchrun
+from outputs import assert_same_weights, check_ok, load_state, trained_once
 
-SCRIPT = "04_cifar10_ddp.py"
-# Half an epoch with a checkpoint every 10 steps. The fault comes after the checkpoint of step
-# FAULT_AT, with steps to spare before the end, so the job has something to resume from and
-# something left to do.
-END, FAULT_AT = 50, 20
-ARGS = [*FAST, "--max-steps", END, "--save-every", 10]
-# The README's elastic launch (section "Elastic restarts" says why the variable is needed).
+# Half an epoch with a checkpoint every 10 steps. The worker is killed once the checkpoint of step
+# KILL_AFTER_STEP exists, with steps to spare before the end: the job has something to resume from
+# and something left to do.
+FAULT_RUN_STEPS, KILL_AFTER_STEP = 50, 20
+FAULT_RUN_ARGS = [*SYNTHETIC_ARGS, "--max-steps", FAULT_RUN_STEPS, "--save-every", 10]
+# The elastic launch of docs/fault-tolerance.md (which says why the variable is needed).
 ELASTIC_OPTIONS, ELASTIC_ENV = ["--max-restarts=1"], {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+# The step each step's checkpoint names in the file its resume reads.
+STEPS = {
+    "04_cifar10_ddp.py": ([], lambda output_dir: load_state(output_dir / "checkpoint.pt")["step"]),
+    "05_cifar10_deepspeed.py": ([], lambda output_dir: int((output_dir / "checkpoints" / "latest").read_text()[4:])),
+    "06_mnist_accelerate.py": (MNIST_LR, lambda output_dir: load_state(output_dir / "checkpoint.pt")["step"]),
+}
 
 
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory):
-    output_dir = tmp_path_factory.mktemp("uninterrupted")
-    check_ok(run(torchrun(2, SCRIPT, *ARGS, "--output-dir", output_dir)))
-    return output_dir / "model.pt"
+    """uninterrupted(script): model.pt of the fault runs' job without a fault."""
+    return trained_once(tmp_path_factory, lambda script, output_dir: torchrun(
+        2, script, *FAULT_RUN_ARGS, *STEPS[script][0], "--output-dir", output_dir))
 
 
-def test_killed_worker_is_restarted_and_resumes_from_the_last_checkpoint(uninterrupted, tmp_path):
-    checkpoint, killed = tmp_path / "checkpoint.pt", []
+@pytest.mark.parametrize("script", STEPS)
+def test_killed_worker_is_restarted_and_resumes_from_the_last_checkpoint(script, uninterrupted, tmp_path):
+    extra_args, checkpoint_step = STEPS[script]
+    killed = []
 
     def kill_rank_1_after_a_checkpoint(process):
-        if not killed and checkpoint.exists() and load_state(checkpoint)["step"] >= FAULT_AT:
+        try:
+            saved = checkpoint_step(tmp_path)
+        except (OSError, ValueError):  # not written yet
+            return
+        if not killed and saved >= KILL_AFTER_STEP:
             pid = workers(process)[1]
             os.kill(pid, signal.SIGKILL)
             killed.append(pid)
 
-    command = torchrun(2, SCRIPT, *ARGS, "--output-dir", tmp_path, options=ELASTIC_OPTIONS)
-    result = check_ok(run(command, env=ELASTIC_ENV, poll=kill_rank_1_after_a_checkpoint))
-    assert killed, f"the run ended before a checkpoint of step {FAULT_AT} was seen"
+    command = torchrun(2, script, *FAULT_RUN_ARGS, *extra_args, "--output-dir", tmp_path, options=ELASTIC_OPTIONS)
+    result = check_ok(run_job(command, env=ELASTIC_ENV, poll=kill_rank_1_after_a_checkpoint, timeout=300))
+    assert killed, f"the run ended before a checkpoint of step {KILL_AFTER_STEP} was seen"
     # torchrun saw the killed worker fail, and restarted the group once, which resumed by itself.
     assert result.stderr.count("failed (exitcode: -9)") == 1, result.stderr[-3000:]
     resumed = [line for line in result.stdout.splitlines() if line.startswith("resumed from step")]
     assert len(resumed) == 1, result.stdout
-    assert FAULT_AT <= int(resumed[0].split()[-1]) < END
-    assert_same_weights(uninterrupted, tmp_path / "model.pt")
+    assert KILL_AFTER_STEP <= int(resumed[0].split()[-1]) < FAULT_RUN_STEPS
+    assert_same_weights(uninterrupted(script), tmp_path / "model.pt")
 
 
 # Save a checkpoint with common/utils.save_atomic, as the script does, but die by SIGKILL once half
@@ -66,15 +79,17 @@ utils.save_atomic(checkpoint, sys.argv[1])
 
 
 def test_crash_while_writing_a_checkpoint_leaves_the_previous_one_resumable(uninterrupted, tmp_path):
-    check_ok(run(torchrun(2, SCRIPT, *FAST, "--max-steps", FAULT_AT, "--save-every", 10, "--output-dir", tmp_path)))
+    script = "04_cifar10_ddp.py"
+    stop = ["--max-steps", KILL_AFTER_STEP]
+    check_ok(run_job(torchrun(2, script, *SYNTHETIC_ARGS, *stop, "--save-every", 10, "--output-dir", tmp_path)))
     checkpoint = tmp_path / "checkpoint.pt"
     good = checkpoint.read_bytes()
-    crashed = run(python("-c", CRASH_WHILE_SAVING, checkpoint))
+    crashed = run_job(python("-c", CRASH_WHILE_SAVING, checkpoint))
     assert crashed.returncode == -signal.SIGKILL, crashed.stderr
     # The crash left its half-written temporary file, beside the previous checkpoint, untouched.
     [partial] = tmp_path.glob(".checkpoint.pt.*.tmp")
     assert 0 < partial.stat().st_size < len(good)
     assert checkpoint.read_bytes() == good
-    resumed = check_ok(run(torchrun(2, SCRIPT, *ARGS, "--resume", "--output-dir", tmp_path)))
-    assert f"resumed from step {FAULT_AT}" in resumed.stdout
-    assert_same_weights(uninterrupted, tmp_path / "model.pt")
+    resumed = check_ok(run_job(torchrun(2, script, *FAULT_RUN_ARGS, "--resume", "--output-dir", tmp_path)))
+    assert f"resumed from step {KILL_AFTER_STEP}" in resumed.stdout
+    assert_same_weights(uninterrupted(script), tmp_path / "model.pt")

@@ -2,7 +2,7 @@
 
 import subprocess
 
-from helpers import BIN, ROOT
+from launch import BIN, ROOT
 
 
 def test_ruff_is_clean():

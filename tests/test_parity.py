@@ -2,31 +2,23 @@
 
 import parity
 import pytest
-from helpers import check_ok, run
+from outputs import trained_once
 
 from common import models
 
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
-    """The model.pt of a parity run, trained once for all the tests of this module."""
-    paths = {}
-
-    def train(name):
-        if name not in paths:
-            output_dir = tmp_path_factory.mktemp("parity")
-            check_ok(run(parity.command(parity.RUNS_BY_NAME[name], output_dir), timeout=300, env=parity.ENV))
-            paths[name] = output_dir / "model.pt"
-        return paths[name]
-
-    return train
+    """trained(name): model.pt of the parity row `name`."""
+    return trained_once(tmp_path_factory, lambda name, out: parity.command(parity.ROWS_BY_NAME[name], out),
+                        timeout=300, env=parity.ENV)
 
 
-@pytest.mark.parametrize("name", [run.name for run in parity.RUNS if run.reference])
+@pytest.mark.parametrize("name", [row.name for row in parity.ROWS if row.reference])
 def test_same_weights_as_the_reference_run(name, trained):
-    run_ = parity.RUNS_BY_NAME[name]
-    difference = parity.max_relative_difference(trained(name), trained(run_.reference))
-    assert difference <= parity.TOLERANCE[run_.dtype], f"{name} vs {run_.reference}: {difference:.1e}"
+    row = parity.ROWS_BY_NAME[name]
+    difference = parity.max_relative_difference(trained(name), trained(row.reference))
+    assert difference <= parity.TOLERANCE[row.dtype], f"{name} vs {row.reference}: {difference:.1e}"
 
 
 def test_group_norm_weights_load_into_the_common_model(trained):

@@ -2,7 +2,11 @@
 
 import parity
 import pytest
-from helpers import check_exact_resume, check_ok, python, read_metrics, run, tiny_cifar10, torchrun
+from data_dirs import tiny_cifar10
+from jobs import run_job
+from launch import python, torchrun
+from outputs import check_ok, read_metrics
+from resume import check_exact_resume
 
 LAUNCH = {
     "01": lambda *args: python("01_cifar10_cpu.py", *args),
@@ -21,15 +25,15 @@ def test_resume_with_another_world_size_continues_the_same_run(tmp_path):
     """04's checkpoint holds the whole training state, and the order of the global batches does not
     depend on the world size: 2 processes stopped mid-epoch and resumed with 3 end where 2 processes
     end without a stop. Another world size sums the gradients in another order, so the comparison is
-    the parity check's: float64 and --norm group (README: Parity). A small data set (8 steps per
+    the parity check's: float64 and --norm group (docs/parity.md). A small data set (8 steps per
     epoch) keeps it quick and lets the resumed run cross an epoch boundary."""
     data_dir = tiny_cifar10(tmp_path / "data", train_size=96, test_size=6)
     args = ["benchmarks/float64.py", "04_cifar10_ddp.py", "--data-dir", data_dir, "--num-workers", 0,
             "--batch-size", 12, "--lr", 0.1, "--epochs", 2, "--norm", "group"]
     straight, stopped = tmp_path / "straight", tmp_path / "stopped"
-    check_ok(run(torchrun(2, *args, "--output-dir", straight)))
-    check_ok(run(torchrun(2, *args, "--max-steps", 5, "--save-every", 5, "--output-dir", stopped)))
-    resumed = check_ok(run(torchrun(3, *args, "--resume", "--output-dir", stopped)))
+    check_ok(run_job(torchrun(2, *args, "--output-dir", straight)))
+    check_ok(run_job(torchrun(2, *args, "--max-steps", 5, "--save-every", 5, "--output-dir", stopped)))
+    resumed = check_ok(run_job(torchrun(3, *args, "--resume", "--output-dir", stopped)))
     assert "resumed from step 5" in resumed.stdout
     assert read_metrics(stopped)["steps"] == 16
     difference = parity.max_relative_difference(stopped / "model.pt", straight / "model.pt")

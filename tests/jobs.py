@@ -1,0 +1,116 @@
+"""Running a step as a user runs it, as a subprocess under a hard timeout, and the arguments of the
+tests' short runs."""
+
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from launch import ON_GPU, ROOT, environment
+
+# A short run on any data: 24 divides by 1, 2, 3 and 4 processes, and the synthetic training set
+# (2,400 samples) gives 100 steps per epoch.
+SHORT_RUN_ARGS = ["--num-workers", "0", "--batch-size", "24", "--lr", "0.1", "--epochs", "1"]
+SYNTHETIC_ARGS = ["--synthetic", *SHORT_RUN_ARGS]
+# A smoke run: enough steps for every step's net to beat chance clearly on the synthetic data.
+SMOKE_STEPS = 30
+SMOKE_ARGS = [*SYNTHETIC_ARGS, "--max-steps", str(SMOKE_STEPS)]
+# 06's CNN has no normalisation layers: SGD needs a smaller step than ResNet-9's at this small batch.
+MNIST_LR = ["--lr", "0.05"]
+
+
+def _children():
+    """{parent pid: [child pids]} for every process on the machine."""
+    children = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue
+            parent = int(stat.rsplit(")", 1)[1].split()[1])
+            children.setdefault(parent, []).append(int(entry.name))
+    return children
+
+
+def _descendants(pid):
+    """Every process below `pid` (torchrun starts its workers in sessions of their own)."""
+    children = _children()
+    found, stack = [], [pid]
+    while stack:
+        for child in children.get(stack.pop(), []):
+            found.append(child)
+            stack.append(child)
+    return found
+
+
+def _kill_tree(process):
+    pids = [process.pid, *_descendants(process.pid)]
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        for pid in pids:
+            try:
+                os.kill(pid, sig)
+            except ProcessLookupError:
+                pass
+        try:
+            return process.communicate(timeout=10)
+        except subprocess.TimeoutExpired:
+            continue
+    return process.communicate()
+
+
+def workers(process):
+    """{rank: pid} of the worker processes that a launcher (`process`, e.g. torchrun) runs now."""
+    found = {}
+    for pid in _children().get(process.pid, []):
+        try:
+            variables = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        except OSError:  # it has just exited
+            continue
+        for variable in variables:
+            if variable.startswith(b"RANK="):
+                found[int(variable[len(b"RANK="):])] = pid
+    return found
+
+
+def processes_per_machine(command):
+    """How many processes a launcher's command line starts on this machine (1 without a launcher)."""
+    for index, arg in enumerate(command):
+        for option in ("--nproc_per_node=", "--num_gpus="):
+            if arg.startswith(option):
+                return int(arg[len(option):])
+        if arg == "--num_processes":
+            return int(command[index + 1])
+    return 1
+
+
+def run_job(command, timeout=180, env=None, poll=None, more_processes_than_gpus=False):
+    """Run `command` in the repository root; a job that outlasts `timeout` is killed, with every
+    process below it, and fails the test.
+
+    `poll(process)`, if given, is called about every 0.1 s while the job runs (to inject a fault).
+    On a GPU machine every process needs a GPU of its own (NCCL): a command that starts more processes
+    than there are GPUs is skipped, unless that is what it tests."""
+    if ON_GPU and not more_processes_than_gpus and processes_per_machine(command) > torch.cuda.device_count():
+        pytest.skip(f"{processes_per_machine(command)} processes need as many GPUs; "
+                    f"this machine has {torch.cuda.device_count()}")
+    process = subprocess.Popen(command, cwd=ROOT, env=environment(env), stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True, start_new_session=True)
+    deadline = time.monotonic() + timeout
+    try:
+        while time.monotonic() < deadline:
+            try:
+                # Waiting in communicate() keeps reading the pipes: a full pipe would stall the job.
+                stdout, stderr = process.communicate(timeout=0.1 if poll else timeout)
+                return subprocess.CompletedProcess(command, process.returncode, stdout, stderr)
+            except subprocess.TimeoutExpired:
+                if poll:
+                    poll(process)
+    except BaseException:  # a failed check in `poll`, or Ctrl-C: leave nothing running
+        _kill_tree(process)
+        raise
+    stdout, stderr = _kill_tree(process)
+    pytest.fail(f"hung: killed after {timeout}s: {' '.join(map(str, command))}\n{stdout[-3000:]}\n{stderr[-3000:]}")

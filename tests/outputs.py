@@ -1,0 +1,99 @@
+"""What a run printed and wrote: exit status, the reported error, metrics.json and model.pt."""
+
+import json
+import math
+import re
+from pathlib import Path
+
+import torch
+from jobs import SMOKE_STEPS, run_job
+from launch import ON_GPU
+
+from common import data, models
+
+METRIC_KEYS = {"script", "data", "device", "amp", "world_size", "global_batch_size", "steps", "epochs_completed",
+               "train_loss", "test_loss", "test_accuracy", "test_samples", "samples_per_second", "wall_seconds"}
+
+
+def check_ok(result):
+    assert result.returncode == 0, f"exit {result.returncode}\n{result.stdout[-3000:]}\n{result.stderr[-5000:]}"
+    return result
+
+
+def printed_errors(result):
+    """The `error:` lines that the job's processes printed themselves."""
+    return [line for line in (result.stdout + result.stderr).splitlines() if line.startswith("error:")]
+
+
+def torchrun_root_cause(result):
+    """What torchrun's failure table names as the root cause (None without a table)."""
+    match = re.search(r"Root Cause \(first observed failure\):.*?\n  traceback : (.*?)\n", result.stderr, re.S)
+    return match and match.group(1)
+
+
+def check_one_error(result, *fragments):
+    """A failed job that reported exactly one `error:` line, containing every fragment, and returns it.
+
+    Under torchrun (and `accelerate launch`, which runs it) the workers print nothing: torchrun's
+    failure table names the root cause's line. Elsewhere one process prints it."""
+    assert result.returncode != 0, f"should have failed\n{result.stdout[-2000:]}\n{result.stderr[-2000:]}"
+    printed, root_cause = printed_errors(result), torchrun_root_cause(result)
+    reported = [*printed, *([root_cause] if root_cause and root_cause.startswith("error:") else [])]
+    assert len(reported) == 1, f"expected one error line, got {reported}\n{result.stderr[-3000:]}"
+    for fragment in fragments:
+        assert fragment in reported[0], reported[0]
+    return reported[0]
+
+
+def read_metrics(output_dir):
+    return json.loads((Path(output_dir) / "metrics.json").read_text())
+
+
+def load_state(path):
+    return torch.load(path, map_location="cpu", weights_only=True)
+
+
+def assert_same_weights(path_a, path_b):
+    a, b = load_state(path_a), load_state(path_b)
+    assert a.keys() == b.keys()
+    different = [name for name in a if not torch.equal(a[name], b[name])]
+    assert not different, f"{len(different)} tensors differ, first: {different[:3]}"
+
+
+def check_smoke_run(output_dir, script, world_size, amp="none", model_class=models.ResNet9):
+    """A smoke run (SMOKE_ARGS) that learned and wrote the contract's outputs."""
+    metrics = read_metrics(output_dir)
+    assert METRIC_KEYS <= metrics.keys()
+    assert metrics["script"] == script
+    device = "cuda" if ON_GPU and script != "01_cifar10_cpu.py" else "cpu"
+    assert (metrics["data"], metrics["device"], metrics["amp"]) == ("synthetic", device, amp)
+    assert metrics["world_size"] == world_size
+    assert (metrics["global_batch_size"], metrics["steps"], metrics["epochs_completed"]) == (24, SMOKE_STEPS, 0)
+    # Every test sample counted exactly once, whatever the world size (1,001 divides by none of 2-6).
+    assert metrics["test_samples"] == data.SYNTHETIC_TEST_SIZE
+    # Learned: an untrained net scores chance (0.10) at a loss of about ln(10).
+    assert metrics["test_accuracy"] > 0.25
+    assert metrics["test_loss"] < 0.9 * math.log(10)
+    assert metrics["train_loss"] < math.log(10)
+    assert metrics["samples_per_second"] > 0
+    # A plain fp32 state_dict (no "module." prefix, no half-precision copy) that loads on the CPU.
+    state = load_state(Path(output_dir) / "model.pt")
+    assert all(tensor.dtype == torch.float32 for tensor in state.values() if tensor.is_floating_point())
+    model = models.load_weights(Path(output_dir) / "model.pt", model_class)
+    assert models.count_parameters(model) > 1_000_000
+    return metrics
+
+
+def trained_once(tmp_path_factory, command, **run_options):
+    """`model_of(key)`: the model.pt of the job `command(key, output_dir)`, run and checked once per key
+    (for a module-scoped fixture shared by several tests)."""
+    weights = {}
+
+    def model_of(key):
+        if key not in weights:
+            output_dir = tmp_path_factory.mktemp("trained")
+            check_ok(run_job(command(key, output_dir), **run_options))
+            weights[key] = output_dir / "model.pt"
+        return weights[key]
+
+    return model_of

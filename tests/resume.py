@@ -1,0 +1,29 @@
+"""The exact-resume check: a run stopped mid-epoch and resumed ends as a run that never stopped."""
+
+from data_dirs import tiny_cifar10
+from jobs import SHORT_RUN_ARGS, run_job
+from outputs import assert_same_weights, check_ok, read_metrics
+
+# A small data set, 10 steps of 24 samples per epoch, for two epochs: the first run stops in the
+# middle of epoch 1, between two checkpoints; the resumed run crosses into epoch 2.
+TRAIN_SIZE, TEST_SIZE, STEPS_PER_EPOCH = 240, 10, 10
+STOP_STEP, END_STEP, SAVE_EVERY = 6, 14, 4
+assert STOP_STEP < STEPS_PER_EPOCH < END_STEP < 2 * STEPS_PER_EPOCH and STOP_STEP % SAVE_EVERY
+
+
+def check_exact_resume(launch, tmp_path, make_data=tiny_cifar10, env=None):
+    """A run stopped at STOP_STEP and resumed to END_STEP ends with the weights and metrics of a run
+    straight to END_STEP. `launch(*args)` gives the command line; `make_data` writes the data set.
+    Returns the stopped run's output directory and its arguments, without --max-steps."""
+    data_dir = make_data(tmp_path / "data", TRAIN_SIZE, TEST_SIZE)
+    args = ["--data-dir", data_dir, *SHORT_RUN_ARGS, "--epochs", 2, "--save-every", SAVE_EVERY]
+    straight, stopped = tmp_path / "straight", tmp_path / "stopped"
+    check_ok(run_job(launch(*args, "--max-steps", END_STEP, "--output-dir", straight), env=env))
+    check_ok(run_job(launch(*args, "--max-steps", STOP_STEP, "--output-dir", stopped), env=env))
+    resumed = check_ok(run_job(launch(*args, "--max-steps", END_STEP, "--resume", "--output-dir", stopped), env=env))
+    assert f"resumed from step {STOP_STEP}" in resumed.stdout
+    assert_same_weights(straight / "model.pt", stopped / "model.pt")
+    a, b = read_metrics(straight), read_metrics(stopped)
+    assert (b["steps"], b["epochs_completed"]) == (END_STEP, END_STEP // STEPS_PER_EPOCH)
+    assert (a["test_loss"], a["test_accuracy"]) == (b["test_loss"], b["test_accuracy"])
+    return stopped, args

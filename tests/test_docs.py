@@ -1,0 +1,150 @@
+"""The README, every page of docs/ and the steps' docstrings are checked against the code, so that they
+cannot drift from it.
+
+Every command in them runs a file that exists, with arguments that its parser accepts (a step's, a
+benchmark's; behind a wrapper such as benchmarks/float64.py, the step's); every `grep` in them prints
+lines; every file name exists; every link and anchor resolves; every page is linked from the README;
+the tour table's diff sizes are current; the README stays short.
+"""
+
+import ast
+import importlib.util
+import re
+import shlex
+import subprocess
+import sys
+
+import pytest
+import torch
+from launch import ROOT, SCRIPTS
+
+README = (ROOT / "README.md").read_text()
+PAGES = {"README.md": README,
+         **{f"docs/{path.name}": path.read_text() for path in sorted((ROOT / "docs").glob("*.md"))}}
+STEP_SCRIPTS = sorted(SCRIPTS.values())
+COMMAND_STARTS = ("python", "torchrun", "deepspeed", "accelerate", "bash", "grep", "CUDA_VISIBLE_DEVICES",
+                  "OMP_NUM_THREADS", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE", ".venv/bin/python")
+# Scripts that run the step given after them: the step's arguments are what to check.
+WRAPPERS = ("benchmarks/float64.py", "benchmarks/nondeterministic.py")
+# Files that the runs write, not files of the repository.
+OUTPUTS = {"metrics.json"}
+README_WORDS = 2500
+
+
+def shell_commands(text):
+    """Command lines in `text`'s shell code blocks and inline code (or a docstring's lines), continuations joined."""
+    blocks = re.findall(r"```(?:bash)?\n(.*?)```", text, flags=re.S) or [text]
+    blocks += re.findall(r"(?<!`)`([^`\n]+)`(?!`)", text)
+    commands = []
+    for block in blocks:
+        for line in re.sub(r"\\\n\s*", " ", block).splitlines():
+            line = line.split(" # ")[0].strip()
+            if line.startswith(COMMAND_STARTS):
+                commands.extend(part.strip() for part in re.split(r"&&|;", line) if part.strip())
+    return commands
+
+
+def docstring(script):
+    return ast.get_docstring(ast.parse((ROOT / script).read_text()))
+
+
+def all_commands():
+    sources = {**PAGES, **{script: docstring(script) for script in STEP_SCRIPTS}}
+    return [(source, command) for source, text in sources.items() for command in shell_commands(text)]
+
+
+def script_and_arguments(command):
+    """The repository file that a command runs (the step, behind a wrapper) and the arguments it passes to it."""
+    words = shlex.split(command)
+    for index, word in enumerate(words):
+        if word.endswith((".py", ".sh")) and not (word in WRAPPERS and index + 1 < len(words)):
+            return word, words[index + 1:]
+    return None, []
+
+
+def parse_with_script(script, arguments, monkeypatch):
+    """Parse `arguments` with the script's own parser: a step's `parse_args()`, a benchmark's `parse_args(argv)`."""
+    spec = importlib.util.spec_from_file_location(f"checked_{script.replace('/', '_')[:-3]}", ROOT / script)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    if script in STEP_SCRIPTS:
+        monkeypatch.setattr(sys, "argv", [script, *arguments])
+        module.parse_args()
+    else:
+        module.parse_args(arguments)
+
+
+@pytest.mark.parametrize("source, command", all_commands())
+def test_every_command_runs_a_file_of_the_repository_with_valid_arguments(source, command, monkeypatch):
+    if command.startswith("grep"):
+        # A grep of the docs (the lines a step tags) prints what the text says it prints: something.
+        result = subprocess.run(shlex.split(command), cwd=ROOT, capture_output=True, text=True)
+        assert result.returncode == 0 and result.stdout, f"{source}: {command} prints nothing"
+        return
+    script, arguments = script_and_arguments(command)
+    if script is None:  # e.g. `python -m pytest`, a launcher's own command
+        return
+    assert (ROOT / script).is_file(), f"{source}: {command}: no {script}"
+    if script in STEP_SCRIPTS or script.startswith("benchmarks/") and script != "benchmarks/launch.py":
+        # Placeholders such as N or HOST sit in the launchers' options, never in the scripts'. The
+        # commands for GPUs are parsed as on a GPU machine (where --amp fp16 is accepted).
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+        parse_with_script(script, arguments, monkeypatch)
+
+
+def test_every_step_has_a_launch_command_in_the_readme():
+    commands = " ".join(command for source, command in all_commands() if source == "README.md")
+    for script in STEP_SCRIPTS:
+        assert script in commands, f"no launch command for {script}"
+    assert "bash install.sh && bash tour.sh" in README
+    assert "bash install.sh --dev && .venv/bin/python -m pytest" in README
+
+
+def test_ci_runs_the_readme_test_command():
+    assert "bash install.sh --dev && .venv/bin/python -m pytest" in (ROOT / ".ci" / "run").read_text()
+
+
+@pytest.mark.parametrize("page", PAGES)
+def test_file_names_exist(page):
+    names = set(re.findall(r"`([\w./-]+\.(?:py|json|yaml|sh|txt|toml|md))`", PAGES[page])) - OUTPUTS
+    missing = sorted(name for name in names if not (ROOT / name).exists())
+    assert not missing
+
+
+def anchor(heading):
+    """GitHub's anchor for a Markdown heading."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+@pytest.mark.parametrize("page", PAGES)
+def test_links_and_anchors_resolve(page):
+    directory = (ROOT / page).parent
+    broken = []
+    for target in re.findall(r"\]\(([^)\s]+)\)", PAGES[page]):
+        if target.startswith(("http://", "https://")):
+            continue
+        path, _, fragment = target.partition("#")
+        linked = (directory / path).resolve() if path else ROOT / page
+        if not linked.is_file():
+            broken.append(target)
+        elif fragment and fragment not in {anchor(h) for h in re.findall(r"^#+ (.+)$", linked.read_text(), re.M)}:
+            broken.append(target)
+    assert not broken
+
+
+def test_every_page_is_linked_from_the_readme():
+    linked = set(re.findall(r"\]\((docs/[\w.-]+\.md)", README))
+    assert linked == {page for page in PAGES if page.startswith("docs/")}
+
+
+def test_the_readme_stays_short():
+    assert len(README.split()) <= README_WORDS
+
+
+def test_tour_table_diff_sizes_are_current():
+    rows = re.findall(r"\| `(0\d_\w+\.py)` \|.*\| (\d+) lines vs `(0\d_\w+\.py)` \|", README)
+    assert len(rows) == len(STEP_SCRIPTS) - 1, "one diff size per step after the first"
+    for script, size, base in rows:
+        diff = subprocess.run(["diff", ROOT / base, ROOT / script], capture_output=True, text=True).stdout
+        changed = sum(line.startswith(("<", ">")) for line in diff.splitlines())
+        assert int(size) == changed, f"README says {size} lines for {base} -> {script}, the diff has {changed}"
