@@ -109,8 +109,8 @@ def main():
         config.setdefault("zero_optimization", {})["stage"] = args.zero_stage  # [05]
     # The engine broadcasts rank 0's weights, wraps the optimizer (for ZeRO and 16 bits), averages the
     # gradients in backward, steps the schedule after each optimizer step and keeps both in its checkpoints.
-    model, optimizer, _, scheduler = deepspeed.initialize(model=model, optimizer=optimizer,  # [05]
-                                                          lr_scheduler=scheduler, config=config)  # [05]
+    model, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler,  # [05]
+                                          config=config)  # [05] the loop calls only the engine
 
     step, start_epoch = 0, 0
     # torchrun --max-restarts=K restarts every process after a failure: continue from the last checkpoint.

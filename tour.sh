@@ -16,5 +16,5 @@ python 02_cifar10_gpu.py "${args[@]}"
 python 03_cifar10_dataparallel.py "${args[@]}"
 torchrun --standalone --nproc_per_node=$procs 04_cifar10_ddp.py "${args[@]}"
 OMP_NUM_THREADS=$threads deepspeed --num_gpus=$procs 05_cifar10_deepspeed.py "${args[@]}"
-torchrun --standalone --nproc_per_node=$procs 06_mnist_accelerate.py --synthetic --epochs 2 --batch-size 64
+torchrun --standalone --nproc_per_node=$procs 06_mnist_accelerate.py "${args[@]}"
 echo "tour finished: outputs in runs/"
