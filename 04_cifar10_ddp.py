@@ -46,7 +46,7 @@ def main():
         torch.cuda.set_device(local_rank)  # [04] before any CUDA work, or every process would use GPU 0
         utils.use_deterministic_kernels()  # [02] or --resume drifts from an uninterrupted run; ~6% slower
     else:  # [02]
-        distributed.print0("no GPU found: training on the CPU with the gloo backend")  # [04]
+        distributed.print0("no GPU found: training on the CPU")  # [04]
     # A short timeout: a rank that dies, or waits for a peer that never comes, fails the job in
     # minutes instead of after gloo's default 30.
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=datetime.timedelta(minutes=5))  # [04]

@@ -57,7 +57,7 @@ def main():
         torch.cuda.set_device(local_rank)  # [04] before any CUDA work, or every process would use GPU 0
         utils.use_deterministic_kernels()  # [02] or --resume drifts from an uninterrupted run; ~6% slower
     else:  # [02]
-        distributed.print0("no GPU found: training on the CPU with the gloo backend")  # [04]
+        distributed.print0("no GPU found: training on the CPU")  # [04]
     # A short timeout: a rank that dies, or waits for a peer that never comes, fails the job in
     # minutes instead of after gloo's default 30.
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=datetime.timedelta(minutes=5))  # [04]
@@ -182,13 +182,13 @@ def train_one_epoch(args, model, loader,  # [05]
         images, labels = images.to(device, amp_dtype, non_blocking=True), labels.to(device, non_blocking=True)  # [05]
         loss = F.cross_entropy(model(images).float(), labels)  # [05] the loss in fp32, whatever the weights
         model.backward(loss)  # [05] scales the loss for fp16, then averages the gradients across ranks
-        model.step()  # [05] the optimizer step (skipped if fp16 gradients overflowed), the schedule, zero_grad
+        model.step()  # [05] optimizer step and schedule (both skipped if fp16 gradients overflowed), zero_grad
         step += 1
         loss_sum += loss.detach()
         if step % 10 == 0:
             # The mean over ranks: every rank must run the all-reduce, not only rank 0, which shows it.
             progress.set_postfix(loss=f"{distributed.all_reduce_mean(loss).item():.3f}")  # [04]
-        # Every rank saves, its own shard. Always at the end: model.pt is rebuilt from that checkpoint.
+        # Every rank saves, its own shard. Always at the end: under ZeRO, model.pt is rebuilt from it.
         if step == last_step or args.save_every and step % args.save_every == 0:  # [05]
             save_checkpoint(args, model, epoch, step)  # [05]
     return distributed.all_reduce_mean(loss_sum).item() / max(end - done, 1), step  # [04]

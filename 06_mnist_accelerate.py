@@ -48,7 +48,7 @@ def main():
     if device.type == "cuda":  # [02]
         utils.use_deterministic_kernels()  # [02] or --resume drifts from an uninterrupted run; ~6% slower
     else:  # [02]
-        distributed.print0("no GPU found: training on the CPU with the gloo backend")  # [04]
+        distributed.print0("no GPU found: training on the CPU")  # [04]
     if args.batch_size % world_size:  # [04] --batch-size is global: each process takes an equal share
         raise utils.UsageError(f"--batch-size {args.batch_size} is not divisible "  # [04]
                                f"by the world size {world_size}")  # [04]

@@ -74,9 +74,11 @@ def command(row, output_dir, dtype=None, norm="group"):
     in_float64 = ["benchmarks/float64.py"] if (dtype or row.dtype) == "float64" else []
     options = MNIST if row.script.startswith("06") else [*CIFAR10, "--norm", norm]
     script, *wrapped = [*in_float64, row.script]
+    # accelerate launch without the config's fp16: the reference row runs in full precision too.
+    precision = {"config_precision": False} if row.launcher == "accelerate" else {}
     return launch.LAUNCHERS[row.launcher](
         row.nproc, script, *wrapped, "--synthetic", "--num-workers", 0, "--batch-size", 8, "--epochs", 1,
-        "--max-steps", row.steps, *options, *row.args, "--output-dir", output_dir)
+        "--max-steps", row.steps, *options, *row.args, "--output-dir", output_dir, **precision)
 
 
 def max_relative_difference(path_a, path_b):

@@ -21,7 +21,6 @@ from torch.utils.data import Dataset, Sampler
 
 from common.utils import UsageError
 
-CIFAR10_CLASSES = ("airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck")
 CIFAR10_SHAPE = (3, 32, 32)
 MNIST_SHAPE = (1, 28, 28)
 

@@ -78,8 +78,8 @@ def use_deterministic_kernels():
     model of your own keeps running) on an operation that has none; cuBLAS needs
     CUBLAS_WORKSPACE_CONFIG for it, set before its first use. The mode would also fill every
     uninitialised tensor (`torch.empty`) with NaN, which matters only to code that reads memory before
-    writing it, and costs DeepSpeed's ZeRO-1/2 a pass over its 2 GB gradient bucket at every step (21
-    times slower on a CPU): that part stays off.
+    writing it, and costs DeepSpeed's ZeRO-1/2 a pass over its 2 GB gradient bucket at every step:
+    that part stays off.
     """
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     torch.use_deterministic_algorithms(True, warn_only=True)

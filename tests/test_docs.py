@@ -40,7 +40,21 @@ def shell_commands(text):
         for line in re.sub(r"\\\n\s*", " ", block).splitlines():
             line = line.split(" # ")[0].strip()
             if line.startswith(COMMAND_STARTS):
-                commands.extend(part.strip() for part in re.split(r"&&|;", line) if part.strip())
+                commands.extend(split_commands(line))
+    return commands
+
+
+def split_commands(line):
+    """`a && b; c` as [a, b, c], leaving what is quoted alone."""
+    lexer = shlex.shlex(line, posix=True, punctuation_chars=";&")
+    lexer.whitespace_split = True
+    commands, words = [], []
+    for token in [*lexer, ";"]:
+        if token in (";", "&&"):
+            commands += [shlex.join(words)] if words else []
+            words = []
+        else:
+            words.append(token)
     return commands
 
 
