@@ -29,7 +29,7 @@ def test_plain_python_is_a_world_of_one(tmp_path):
 def test_resume_mid_epoch_matches_uninterrupted_run(tmp_path):
     """Dropout draws from each process's own random state: load_state must restore it on every process."""
     stopped, args = check_exact_resume(lambda *args: torchrun(2, SCRIPT, *args, *MNIST_LR), tmp_path, tiny_mnist)
-    # Only the newest complete checkpoint is kept (of steps 4, 8, 12 and 14).
+    # Only the newest complete checkpoint is kept (of steps 4, 6, 8, 12 and 14).
     assert [path.name for path in (stopped / "checkpoints").iterdir()] == [f"step{END_STEP}"]
     # The random states are per process: a checkpoint of 2 processes does not resume in 1.
     result = run_job(python(SCRIPT, *args, *MNIST_LR, "--max-steps", END_STEP + 4, "--resume", "--output-dir", stopped),
