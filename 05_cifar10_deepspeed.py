@@ -25,7 +25,6 @@ import deepspeed  # [05]
 import torch
 import torch.distributed as dist  # [04]
 import torch.nn.functional as F
-from deepspeed.runtime.zero.utils import ZeRORuntimeException  # [05]
 from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint  # [05]
 from torch.utils.data import DataLoader, DistributedSampler, Subset  # [04]
 from tqdm import tqdm
@@ -241,10 +240,8 @@ def load_checkpoint(args, model):  # [05]
     directory = os.path.join(args.output_dir, "checkpoints")  # [05]
     if not os.path.isfile(os.path.join(directory, "latest")):  # [05]
         raise utils.UsageError(f"--resume: no checkpoint in {directory}; run once with --save-every first")  # [05]
-    try:  # [05] every rank reads its own shard of the `latest` checkpoint
-        _, checkpoint = model.load_checkpoint(directory)  # [05]
-    except ZeRORuntimeException as error:  # [05] ZeRO's shards fit only the world size that wrote them
-        raise utils.UsageError(f"cannot resume from {directory}: {error}") from None  # [05]
+    utils.check_zero_shards(directory, dist.get_world_size())  # [05] shards fit only the world that wrote them
+    _, checkpoint = model.load_checkpoint(directory)  # [05] every rank reads its own shard of `latest`
     utils.check_resumable(checkpoint, batch_size=args.batch_size, epochs=args.epochs, seed=args.seed)
     utils.set_rng_state(checkpoint["rng"])
     distributed.print0(f"resumed from step {checkpoint['step']}")  # [04]

@@ -4,6 +4,7 @@ Errors, seeding, deterministic kernels, RNG state, atomic writes, JSON settings 
 meter. The distributed helpers live in `common/distributed.py`.
 """
 
+import glob
 import json
 import os
 import random
@@ -142,6 +143,18 @@ def remove_other_checkpoints(directory, keep):
     for name in os.listdir(directory):
         if name not in (keep, "latest"):
             shutil.rmtree(os.path.join(directory, name), ignore_errors=True)
+
+
+def check_zero_shards(directory, world_size):
+    """Refuse, on every rank alike, to resume a DeepSpeed checkpoint whose ZeRO shards were written by
+    another number of processes: ZeRO cannot re-partition them, and left to DeepSpeed the ranks without
+    a shard fail with an assertion while the others report the mismatch."""
+    with open(os.path.join(directory, "latest")) as file:
+        tag = file.read().strip()
+    shards = glob.glob(os.path.join(directory, tag, "*_optim_states.pt"))
+    if shards and len(shards) != world_size:
+        raise UsageError(f"cannot resume from {directory}: its ZeRO shards were written by {len(shards)} "
+                         f"processes and ZeRO cannot re-partition them for {world_size}")
 
 
 def read_json(path, flag):
