@@ -24,8 +24,9 @@ SCRIPTS = {
     "04": "04_cifar10_ddp.py",
     "05": "05_cifar10_deepspeed.py",
     "06": "06_mnist_accelerate.py",
+    "07": "07_cifar10_fsdp.py",
 }
-BASES = {"02": "01", "03": "02", "04": "02", "05": "04", "06": "04"}
+BASES = {"02": "01", "03": "02", "04": "02", "05": "04", "06": "04", "07": "04"}
 
 
 def environment(extra=None):

@@ -30,6 +30,13 @@ def all_reduce_mean(value):
     return value / dist.get_world_size()
 
 
+def broadcast_buffers(model):
+    """Give every rank rank 0's buffers (BatchNorm's running statistics), where nothing else keeps them
+    equal: DDP broadcasts them before each forward pass; FSDP and DeepSpeed do not."""
+    for buffer in model.buffers():
+        dist.broadcast(buffer, src=0)
+
+
 def default_to_a_world_of_one():
     """Started by plain `python`, no launcher has set the environment that `init_process_group`
     reads: set it for a world of one process. Port 0: the OS picks a free port, since no other

@@ -145,13 +145,21 @@ def remove_other_checkpoints(directory, keep):
             shutil.rmtree(os.path.join(directory, name), ignore_errors=True)
 
 
+def latest_checkpoint(directory):
+    """The checkpoint directory that `directory/latest` names: 05 and 07 write `latest` last, atomically,
+    once the checkpoint it names is complete."""
+    latest = os.path.join(directory, "latest")
+    if not os.path.isfile(latest):
+        raise UsageError(f"--resume: no checkpoint in {directory}; run once with --save-every first")
+    with open(latest) as file:
+        return os.path.join(directory, file.read().strip())
+
+
 def check_zero_shards(directory, world_size):
     """Refuse, on every rank alike, to resume a DeepSpeed checkpoint whose ZeRO shards were written by
     another number of processes: ZeRO cannot re-partition them, and left to DeepSpeed the ranks without
     a shard fail with an assertion while the others report the mismatch."""
-    with open(os.path.join(directory, "latest")) as file:
-        tag = file.read().strip()
-    shards = glob.glob(os.path.join(directory, tag, "*_optim_states.pt"))
+    shards = glob.glob(os.path.join(latest_checkpoint(directory), "*_optim_states.pt"))
     if shards and len(shards) != world_size:
         raise UsageError(f"cannot resume from {directory}: its ZeRO shards were written by {len(shards)} "
                          f"processes and ZeRO cannot re-partition them for {world_size}")

@@ -16,11 +16,24 @@ FAULT_RUN_STEPS, KILL_AFTER_STEP = 50, 20
 FAULT_RUN_ARGS = [*SYNTHETIC_ARGS, "--max-steps", FAULT_RUN_STEPS, "--save-every", 10]
 # The elastic launch of docs/fault-tolerance.md (which says why the variable is needed).
 ELASTIC_OPTIONS, ELASTIC_ENV = ["--max-restarts=1"], {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
-# The step each step's checkpoint names in the file its resume reads.
+
+
+def saved_step(output_dir):
+    """The step of the checkpoint that a resume of 04 or 06 reads (06's names its directory)."""
+    return load_state(output_dir / "checkpoint.pt")["step"]
+
+
+def latest_step(output_dir):
+    """The step of the checkpoint that `checkpoints/latest` names (05, 07)."""
+    return int((output_dir / "checkpoints" / "latest").read_text().removeprefix("step"))
+
+
+# Each step's extra arguments, and how to read the step of its last complete checkpoint.
 STEPS = {
-    "04_cifar10_ddp.py": ([], lambda output_dir: load_state(output_dir / "checkpoint.pt")["step"]),
-    "05_cifar10_deepspeed.py": ([], lambda output_dir: int((output_dir / "checkpoints" / "latest").read_text()[4:])),
-    "06_mnist_accelerate.py": (MNIST_LR, lambda output_dir: load_state(output_dir / "checkpoint.pt")["step"]),
+    "04_cifar10_ddp.py": ([], saved_step),
+    "05_cifar10_deepspeed.py": ([], latest_step),
+    "06_mnist_accelerate.py": (MNIST_LR, saved_step),
+    "07_cifar10_fsdp.py": ([], latest_step),
 }
 
 

@@ -21,14 +21,16 @@ def test_resume_mid_epoch_matches_uninterrupted_run(step, tmp_path):
     check_exact_resume(LAUNCH[step], tmp_path)
 
 
-def test_resume_with_another_world_size_continues_the_same_run(tmp_path):
-    """04's checkpoint holds the whole training state, and the order of the global batches does not
-    depend on the world size: 2 processes stopped mid-epoch and resumed with 3 end where 2 processes
-    end without a stop. Another world size sums the gradients in another order, so the comparison is
-    the parity check's: float64 and --norm group (docs/parity.md). A small data set (8 steps per
-    epoch) keeps it quick and lets the resumed run cross an epoch boundary."""
+@pytest.mark.parametrize("script", ["04_cifar10_ddp.py", "07_cifar10_fsdp.py"])
+def test_resume_with_another_world_size_continues_the_same_run(script, tmp_path):
+    """04's checkpoint holds the whole training state, 07's sharded one is resplit across the ranks as
+    it loads, and the order of the global batches does not depend on the world size: 2 processes
+    stopped mid-epoch and resumed with 3 end where 2 processes end without a stop. Another world size
+    sums the gradients in another order, so the comparison is the parity check's: float64 and --norm
+    group (docs/parity.md). A small data set (8 steps per epoch) keeps it quick and lets the resumed
+    run cross an epoch boundary."""
     data_dir = tiny_cifar10(tmp_path / "data", train_size=96, test_size=6)
-    args = ["benchmarks/float64.py", "04_cifar10_ddp.py", "--data-dir", data_dir, "--num-workers", 0,
+    args = ["benchmarks/float64.py", script, "--data-dir", data_dir, "--num-workers", 0,
             "--batch-size", 12, "--lr", 0.1, "--epochs", 2, "--norm", "group"]
     straight, stopped = tmp_path / "straight", tmp_path / "stopped"
     check_ok(run_job(torchrun(2, *args, "--output-dir", straight)))

@@ -1,0 +1,53 @@
+"""Step 07 as users launch it on the CPU: FSDP2 under torchrun with 2 and 3 processes, exact
+evaluation, a full fp32 model.pt, DDP's optimizer steps, sharded checkpoints that resume exactly,
+one-line errors. Parity with 01 in float64 is in tests/test_parity.py, resuming at another world size
+in tests/test_resume.py."""
+
+import pytest
+from jobs import SMOKE_ARGS, SYNTHETIC_ARGS, run_job
+from launch import ON_GPU, python, torchrun
+from outputs import assert_same_weights, check_ok, check_one_error, check_smoke_run
+from resume import END_STEP, check_exact_resume
+
+SCRIPT = "07_cifar10_fsdp.py"
+
+
+@pytest.mark.parametrize("nproc, amp", [(2, "none"), (3, "bf16")])
+def test_fsdp_step(nproc, amp, tmp_path):
+    result = check_ok(run_job(torchrun(nproc, SCRIPT, *SMOKE_ARGS, "--amp", amp, "--output-dir", tmp_path)))
+    check_smoke_run(tmp_path, SCRIPT, world_size=nproc, amp=amp)  # model.pt: the whole model, in fp32
+    assert result.stdout.count("epoch 1/1") == 1  # rank 0 alone prints
+
+
+@pytest.mark.skipif(ON_GPU, reason="NCCL's reductions may sum in another order than gloo's")
+def test_same_steps_as_ddp(tmp_path):
+    """Sharded, 07 takes exactly 04's steps: the same batches, the same averaged gradients (reduce-scattered
+    instead of all-reduced), the same SGD on each shard."""
+    check_ok(run_job(torchrun(2, "04_cifar10_ddp.py", *SMOKE_ARGS, "--output-dir", tmp_path / "ddp")))
+    check_ok(run_job(torchrun(2, SCRIPT, *SMOKE_ARGS, "--output-dir", tmp_path / "fsdp")))
+    assert_same_weights(tmp_path / "fsdp" / "model.pt", tmp_path / "ddp" / "model.pt")
+
+
+def test_resume_mid_epoch_matches_uninterrupted_run(tmp_path):
+    """Every rank saves and reloads its own shard of the weights and the optimizer state; `latest` names
+    the newest complete checkpoint, and the older ones are removed."""
+    stopped, _ = check_exact_resume(lambda *args: torchrun(2, SCRIPT, *args), tmp_path)
+    checkpoints = stopped / "checkpoints"
+    assert (checkpoints / "latest").read_text() == f"step{END_STEP}"
+    assert sorted(path.name for path in checkpoints.iterdir()) == ["latest", f"step{END_STEP}"]
+    shards = sorted(path.name for path in (checkpoints / f"step{END_STEP}").glob("*.distcp"))
+    assert shards == ["__0_0.distcp", "__1_0.distcp"]  # one file per rank
+
+
+@pytest.mark.parametrize("nproc, args, message", [
+    (3, ["--batch-size", 32], "--batch-size 32 is not divisible by the world size 3"),
+    (1, ["--resume"], "--resume: no checkpoint in"),
+    (1, ["--amp", "fp16"], "--amp fp16 needs a GPU"),
+])
+def test_bad_input_is_one_line(nproc, args, message, tmp_path):
+    if "fp16" in args and ON_GPU:
+        pytest.skip("a GPU machine accepts --amp fp16")
+    command = [*SYNTHETIC_ARGS, *args, "--output-dir", tmp_path]
+    result = run_job(torchrun(nproc, SCRIPT, *command) if nproc > 1 else python(SCRIPT, *command), timeout=120)
+    check_one_error(result, message)
+    assert not (tmp_path / "metrics.json").exists()
