@@ -26,7 +26,7 @@ class _Parser(argparse.ArgumentParser):
         return parsed
 
 
-def _positive_int(text):
+def positive_int(text):
     value = int(text)
     if value <= 0:
         raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
@@ -53,10 +53,10 @@ def build_parser(script_file, description, *, epochs, batch_size, lr):
     parser = _Parser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--data-dir", default="./data", help="where the data set lives or is downloaded to")
     parser.add_argument("--synthetic", action="store_true", help="use generated stand-in data (offline)")
-    parser.add_argument("--epochs", type=_positive_int, default=epochs, help="passes over the training set")
+    parser.add_argument("--epochs", type=positive_int, default=epochs, help="passes over the training set")
     parser.add_argument("--max-steps", type=_non_negative_int, default=0,
                         help="stop after this many optimizer steps in total (0: no limit)")
-    parser.add_argument("--batch-size", type=_positive_int, default=batch_size,
+    parser.add_argument("--batch-size", type=positive_int, default=batch_size,
                         help="GLOBAL batch size: samples per optimizer step, all processes together")
     parser.add_argument("--lr", type=_positive_float, default=lr, help="peak learning rate")
     parser.add_argument("--seed", type=int, default=0, help="seed for the weights, data order and augmentation")

@@ -22,6 +22,8 @@ README = (ROOT / "README.md").read_text()
 PAGES = {"README.md": README,
          **{f"docs/{path.name}": path.read_text() for path in sorted((ROOT / "docs").glob("*.md"))}}
 STEP_SCRIPTS = sorted(SCRIPTS.values())
+# The steps and the standalone scripts beside them: their docstrings' commands and their arguments are checked.
+ROOT_SCRIPTS = [*STEP_SCRIPTS, "ddp_from_scratch.py"]
 COMMAND_STARTS = ("python", "torchrun", "deepspeed", "accelerate", "bash", "grep ", "CUDA_VISIBLE_DEVICES",
                   "OMP_NUM_THREADS", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE", ".venv/bin/python")
 # Scripts that run the step given after them: the step's arguments are what to check.
@@ -33,7 +35,8 @@ README_WORDS = 2500
 
 def shell_commands(text):
     """Command lines in `text`'s shell code blocks and inline code (or a docstring's lines), continuations joined."""
-    blocks = re.findall(r"```(?:bash)?\n(.*?)```", text, flags=re.S) or [text]
+    fences = re.findall(r"^```(\w*)\n(.*?)^```", text, flags=re.S | re.M)
+    blocks = [block for language, block in fences if language in ("", "bash")] if fences else [text]
     blocks += re.findall(r"(?<!`)`([^`\n]+)`(?!`)", text)
     commands = []
     for block in blocks:
@@ -63,7 +66,7 @@ def docstring(script):
 
 
 def all_commands():
-    sources = {**PAGES, **{script: docstring(script) for script in STEP_SCRIPTS}}
+    sources = {**PAGES, **{script: docstring(script) for script in ROOT_SCRIPTS}}
     return [(source, command) for source, text in sources.items() for command in shell_commands(text)]
 
 
@@ -81,7 +84,7 @@ def parse_with_script(script, arguments, monkeypatch):
     spec = importlib.util.spec_from_file_location(f"checked_{script.replace('/', '_')[:-3]}", ROOT / script)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    if script in STEP_SCRIPTS:
+    if script in ROOT_SCRIPTS:
         monkeypatch.setattr(sys, "argv", [script, *arguments])
         module.parse_args()
     else:
@@ -99,7 +102,7 @@ def test_every_command_runs_a_file_of_the_repository_with_valid_arguments(source
     if script is None:  # e.g. `python -m pytest`, a launcher's own command
         return
     assert (ROOT / script).is_file(), f"{source}: {command}: no {script}"
-    if script in STEP_SCRIPTS or script.startswith("benchmarks/") and script != "benchmarks/launch.py":
+    if script in ROOT_SCRIPTS or script.startswith("benchmarks/") and script != "benchmarks/launch.py":
         # Placeholders such as N or HOST sit in the launchers' options, never in the scripts'. The
         # commands for GPUs are parsed as on a GPU machine (where --amp fp16 is accepted).
         monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
