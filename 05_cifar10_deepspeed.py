@@ -1,10 +1,10 @@
 """Step 05: the same processes, with the DeepSpeed engine: ZeRO, mixed precision, ds_config.json.
 
 New (relative to step 04; lines marked `# [05]`): `deepspeed.initialize` wraps 04's model, optimizer
-and schedule in an engine that averages the gradients, runs fp16 or bf16, partitions the optimizer
-state, the gradients and the weights across the processes (ZeRO stages 1-3), and writes checkpoints
-in which every rank saves its own shard. The loop stays ours: `model.backward(loss)`, `model.step()`.
-ds_config.json holds the engine's settings; the command line wins where both speak.
+and schedule in an engine that averages the gradients (summed over --gradient_accumulation_steps
+micro-batches), runs fp16 or bf16, partitions the optimizer state, the gradients and the weights
+across the processes (ZeRO stages 1-3), and checkpoints a shard per rank. The loop stays ours:
+`model.backward(loss)`, `model.step()`. ds_config.json holds the settings; the command line wins.
 
 Launch:
     deepspeed --num_gpus=N 05_cifar10_deepspeed.py --amp bf16            # N GPUs on this machine
@@ -37,6 +37,8 @@ def parse_args():
     flags.add_norm_argument(parser)
     flags.add_amp_argument(parser)  # [02]
     parser.add_argument("--zero-stage", type=int, choices=[0, 1, 2, 3], help="default: the config's")  # [05]
+    parser.add_argument("--gradient_accumulation_steps", "--gradient-accumulation-steps", metavar="N",  # [05]
+                        type=flags.positive_int, help="micro-batches per optimizer step (default: the config)")  # [05]
     parser.add_argument("--deepspeed-config", default=os.path.join(os.path.dirname(__file__), "ds_config.json"),  # [05]
                         help="DeepSpeed's settings (default: ds_config.json beside this script)")  # [05]
     return parser.parse_args()
@@ -61,12 +63,17 @@ def main():
     # minutes instead of after gloo's default 30.
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=datetime.timedelta(minutes=5))  # [04]
     # DeepSpeed's fp16 and bf16 turn the weights themselves into 16 bits (the optimizer keeps fp32
-    # master copies), instead of autocast: the inputs are cast to match.
-    amp_dtype = flags.AMP_DTYPES[args.amp] or torch.float32  # [05]
+    # master copies), instead of autocast: the inputs are cast to match (without --amp, to the weights' default dtype).
+    amp_dtype = flags.AMP_DTYPES[args.amp] or torch.get_default_dtype()  # [05]
     if args.batch_size % world_size:  # [04] --batch-size is global: each process takes an equal share
         raise utils.UsageError(f"--batch-size {args.batch_size} is not divisible "  # [04]
                                f"by the world size {world_size}")  # [04]
     batch_size = args.batch_size // world_size  # [04]
+    accumulation_steps = args.gradient_accumulation_steps or config.get("gradient_accumulation_steps", 1)  # [05]
+    if batch_size % accumulation_steps:  # [05] --batch-size stays global: each process's share is N micro-batches
+        raise utils.UsageError(f"--batch-size {args.batch_size} is not divisible by the world size "  # [05]
+                               f"{world_size} times --gradient_accumulation_steps {accumulation_steps}")  # [05]
+    batch_size //= accumulation_steps  # [05] the micro-batch: one forward and backward pass on one process
 
     if local_rank == 0 and not args.synthetic:  # [04] one download per machine, never two into one directory
         data.download_cifar10(args.data_dir)
@@ -93,13 +100,15 @@ def main():
 
     model = models.ResNet9(norm=args.norm).to(device)
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9, nesterov=True, weight_decay=5e-4)
-    total_steps = args.epochs * len(train_loader)
+    # A last incomplete group of N micro-batches is left out: the engine would add it to the next epoch's first step.
+    steps_per_epoch = len(train_loader) // accumulation_steps  # [05] the loader yields micro-batches, N per step
+    total_steps = args.epochs * steps_per_epoch  # [05] optimizer steps, as the engine steps the schedule
     scheduler = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=args.lr, total_steps=total_steps)
     last_step = min(args.max_steps, total_steps) if args.max_steps else total_steps
     # The command line wins where it and ds_config.json both speak. --batch-size stays the global batch
     # (DeepSpeed checks train_batch_size = micro batch x gradient accumulation steps x world size).
     config.update(train_batch_size=args.batch_size, train_micro_batch_size_per_gpu=batch_size,  # [05]
-                  gradient_accumulation_steps=1)  # [05]
+                  gradient_accumulation_steps=accumulation_steps)  # [05]
     config.setdefault("fp16", {})["enabled"] = args.amp == "fp16"  # [05] dynamic loss scaling: see the config
     config.setdefault("bf16", {})["enabled"] = args.amp == "bf16"  # [05]
     if args.amp != "none":  # [05] DeepSpeed casts only the parameters; BatchNorm's statistics must match
@@ -123,7 +132,7 @@ def main():
         sampler.set_epoch(epoch)  # [04] without it, DistributedSampler repeats epoch 0's order forever
         train_set.set_epoch(epoch)  # augmentation draws depend on (seed, epoch, sample) only
         meter.start()
-        train_loss, new_step = train_one_epoch(args, model, train_loader,  # [05]
+        train_loss, new_step = train_one_epoch(args, model, train_loader, accumulation_steps, steps_per_epoch,  # [05]
                                                amp_dtype, device, epoch, step, last_step)  # [05]
         meter.stop((new_step - step) * args.batch_size)
         step = new_step
@@ -144,7 +153,7 @@ def main():
         "zero_stage": model.zero_optimization_stage(),  # [05]
         "global_batch_size": args.batch_size,
         "steps": step,
-        "epochs_completed": step // len(train_loader),
+        "epochs_completed": step // steps_per_epoch,  # [05]
         "train_loss": train_loss,
         "test_loss": test_loss,
         "test_accuracy": test_accuracy,
@@ -168,22 +177,25 @@ def main():
     dist.destroy_process_group()  # [04]
 
 
-def train_one_epoch(args, model, loader,  # [05]
+def train_one_epoch(args, model, loader, accumulation_steps, steps_per_epoch,  # [05]
                     amp_dtype, device, epoch, step, last_step):  # [05]
     """Train until the end of `epoch` or `last_step`; returns the mean loss and the new step."""
     model.train()
-    done = step - epoch * len(loader)  # batches of this epoch already trained (resuming mid-epoch)
-    end = min(len(loader), done + last_step - step)
+    done = (step - epoch * steps_per_epoch) * accumulation_steps  # [05] micro-batches trained (resuming mid-epoch)
+    end = min(steps_per_epoch * accumulation_steps, done + (last_step - step) * accumulation_steps)  # [05]
     loss_sum = torch.zeros((), device=device)
     progress = tqdm(itertools.islice(loader, done, end), total=end - done,
                     desc=f"epoch {epoch + 1}", leave=False, disable=dist.get_rank() != 0)  # [04]
     for images, labels in progress:
         images, labels = images.to(device, amp_dtype, non_blocking=True), labels.to(device, non_blocking=True)  # [05]
         loss = F.cross_entropy(model(images).float(), labels)  # [05] the loss in fp32, whatever the weights
-        model.backward(loss)  # [05] scales the loss for fp16, then averages the gradients across ranks
-        model.step()  # [05] optimizer step and schedule (both skipped if fp16 gradients overflowed), zero_grad
+        boundary = model.is_gradient_accumulation_boundary()  # [05] the Nth micro-batch? Ask before step() counts it
+        model.backward(loss)  # [05] scales the loss by 1/N (and for fp16), adds to the gradients, averages them
+        model.step()  # [05] at the Nth: optimizer step and schedule (skipped if fp16 overflowed), zero_grad
+        loss_sum += loss.detach()  # [05] every micro-batch's loss: the mean is over all of them
+        if not boundary:  # [05] the first N-1 micro-batches of a step only add up gradients: no step to count
+            continue  # [05]
         step += 1
-        loss_sum += loss.detach()
         if step % 10 == 0:
             # The mean over ranks: every rank must run the all-reduce, not only rank 0, which shows it.
             progress.set_postfix(loss=f"{distributed.all_reduce_mean(loss).item():.3f}")  # [04]

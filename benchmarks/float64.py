@@ -7,7 +7,8 @@ The step's weights (common/models.py) and images (common/data.py) are then float
 two runs that sum the same gradients in a different order differ by rounding, and ReLU and
 max-pooling amplify that chaotically within a few steps; in float64 what remains of a difference
 is a difference in what the runs compute. benchmarks/parity.py uses this; so can a reader who
-wants to check their own change. Not for 05: DeepSpeed refuses to reduce float64 gradients.
+wants to check their own change. 05 runs only with ZeRO-1 or 2 (DeepSpeed's ZeRO-0 and 3 refuse to
+reduce float64 gradients), and its optimizer still updates fp32 master weights.
 """
 
 import sys

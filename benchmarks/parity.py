@@ -12,10 +12,10 @@ instead of BatchNorm) in the CIFAR-10 steps, `--no-dropout` in 06.
 
 Most rows run in float64 (benchmarks/float64.py): in float32, summing the same gradients in
 another order rounds differently, and ReLU and max-pooling amplify that chaotically within a few
-steps. DeepSpeed reduces only 16- and 32-bit gradients, so 05 runs in float32, for 2 steps, before
-the amplification sets in (tests/test_deepspeed.py shows that over 30 steps 05 takes exactly 04's
-steps: its weights equal 04's bit for bit). tests/test_parity.py runs every row and holds it to
-TOLERANCE.
+steps. DeepSpeed keeps fp32 master weights, and reduces float64 gradients only with ZeRO-1 and 2,
+so 05 runs in float32, for 2 steps, before the amplification sets in (tests/test_deepspeed.py shows
+that over 30 steps 05 takes exactly 04's steps: its weights equal 04's bit for bit).
+tests/test_parity.py runs every row and holds it to TOLERANCE.
 """
 
 import argparse

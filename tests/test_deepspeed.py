@@ -1,15 +1,20 @@
 """Step 05 as users launch it on the CPU: torchrun, the deepspeed launcher and plain python, ZeRO stages
-0-3, exact evaluation, fp32 model.pt, the same optimizer steps as DDP, exact resume, one-line errors.
+0-3, exact evaluation, fp32 model.pt, the same optimizer steps as DDP, gradient accumulation and what
+each stage communicates per micro-batch, exact resume, one-line errors.
 
 The first DeepSpeed run on a machine compiles a small C++ op (1-2 minutes on 2 cores, then cached in
 ~/.cache/torch_extensions): the module's first fixture does it once, so that no smoke run's timeout
 has to cover it.
 """
 
+import json
+
+import parity
 import pytest
+from data_dirs import tiny_cifar10
 from jobs import SMOKE_ARGS, SYNTHETIC_ARGS, run_job
 from launch import LAUNCHERS, ON_GPU, python, torchrun
-from outputs import assert_same_weights, check_ok, check_one_error, check_smoke_run
+from outputs import assert_same_weights, check_ok, check_one_error, check_smoke_run, read_metrics
 from resume import END_STEP, check_exact_resume
 
 SCRIPT = "05_cifar10_deepspeed.py"
@@ -28,14 +33,6 @@ def deepspeed_op():
     GPUs DeepSpeed communicates through NCCL and needs no such op."""
     if not ON_GPU:
         check_ok(run_job(python("-c", "from deepspeed.comm.torch import build_shm_op; build_shm_op()"), timeout=600))
-
-
-@pytest.fixture(scope="module")
-def ddp_weights(tmp_path_factory):
-    """model.pt of step 04 (DDP, 2 processes) after the smoke run's steps."""
-    output_dir = tmp_path_factory.mktemp("ddp")
-    check_ok(run_job(torchrun(2, "04_cifar10_ddp.py", *SMOKE_ARGS, "--output-dir", output_dir)))
-    return output_dir / "model.pt"
 
 
 @pytest.mark.parametrize("launcher, nproc, zero_stage, amp", [
@@ -58,8 +55,10 @@ def test_deepspeed_step(launcher, nproc, zero_stage, amp, request, tmp_path):
 
 def test_resume_with_zero3_matches_uninterrupted_run(tmp_path):
     """Stopped and resumed (both mid-epoch) equals one go: every rank saves and reloads its own shard of
-    the weights and the optimizer state, and `latest` names the newest complete checkpoint."""
-    stopped, args = check_exact_resume(lambda *args: torchrun(2, SCRIPT, *args, "--zero-stage", 3), tmp_path)
+    the weights and the optimizer state, and `latest` names the newest complete checkpoint. With 2
+    micro-batches per step, the resumed run skips twice as many micro-batches as steps."""
+    stopped, args = check_exact_resume(
+        lambda *args: torchrun(2, SCRIPT, *args, "--zero-stage", 3, "--gradient_accumulation_steps", 2), tmp_path)
     checkpoints = stopped / "checkpoints"
     assert (checkpoints / "latest").read_text() == f"step{END_STEP}"
     assert [path.name for path in checkpoints.iterdir() if path.is_dir()] == [f"step{END_STEP}"]  # older ones removed
@@ -80,3 +79,70 @@ def test_bad_input_is_one_line(launcher, nproc, args, message, tmp_path):
     result = launch(launcher, nproc, *SYNTHETIC_ARGS, *args, "--output-dir", tmp_path, timeout=120)
     check_one_error(result, message)
     assert not (tmp_path / "metrics.json").exists()
+
+
+# The gradient reductions that DeepSpeed 0.19.8 runs in the backward pass of each micro-batch, per ZeRO
+# stage: (in the first N-1 micro-batches of an optimizer step, in the Nth). Stages 0 and 1 add the
+# micro-batches' gradients up locally and reduce the sum once; stage 2 reduces in every backward pass
+# (an all-reduce of its gradient bucket) and adds the result to its partition; stage 3 reduce-scatters
+# in every one.
+BACKWARD_REDUCTIONS = {0: ([], ["all_reduce"]), 1: ([], ["all_reduce"]), 2: (["all_reduce"], ["all_reduce"]),
+                       3: (["reduce_scatter_tensor"], ["reduce_scatter_tensor"])}
+REDUCTIONS = {"all_reduce", "all_reduce_coalesced", "reduce", "reduce_scatter", "reduce_scatter_tensor",
+              "_reduce_scatter_base"}
+ACCUMULATION, ACCUMULATION_STEPS = 4, 3
+# ZeRO-1 and 2 reduce float64 gradients (0 and 3 refuse them) but keep fp32 master weights: float64
+# rounding differences in the gradients become fp32 rounding differences in the weights (measured: 1e-7
+# to 2e-7 after 2 to 10 steps). In plain fp32, another summation order shows as 3e-4 after 2 steps; a
+# wrong loss scale or schedule as much more.
+ACCUMULATION_TOLERANCE = 1e-6
+
+
+def accumulation_args(data_dir, zero_stage):
+    """2 processes, --batch-size 24, a few steps; float64 where DeepSpeed reduces it, and --norm group,
+    whose result does not depend on how the batch is split (docs/parity.md)."""
+    in_float64 = ["benchmarks/float64.py"] if zero_stage in (1, 2) else []
+    return [*in_float64, SCRIPT, "--data-dir", data_dir, "--num-workers", 0, "--batch-size", 24, "--lr", 0.1,
+            "--epochs", 1, "--max-steps", ACCUMULATION_STEPS, "--norm", "group", "--zero-stage", zero_stage]
+
+
+@pytest.fixture(scope="module")
+def accumulation_data(tmp_path_factory):
+    return tiny_cifar10(tmp_path_factory.mktemp("accumulation") / "data", train_size=240, test_size=4)
+
+
+@pytest.fixture(scope="module")
+def without_accumulation(tmp_path_factory, accumulation_data):
+    """model.pt of one micro-batch of 12 per process and step (ZeRO-2, the config's; ZeRO-1 ends with the
+    same weights, bit for bit)."""
+    output_dir = tmp_path_factory.mktemp("without_accumulation")
+    check_ok(run_job(torchrun(2, *accumulation_args(accumulation_data, 2), "--output-dir", output_dir)))
+    return output_dir / "model.pt"
+
+
+@pytest.mark.parametrize("zero_stage", BACKWARD_REDUCTIONS)
+def test_gradient_accumulation(zero_stage, accumulation_data, request, tmp_path):
+    """--gradient_accumulation_steps 4: each optimizer step is 4 micro-batches of 3 samples on each of
+    the 2 processes, and (ZeRO-1 and 2, in float64) ends with the weights of one micro-batch of 12. Every
+    collective is recorded (tests/collectives.py): each micro-batch communicates as its stage does."""
+    output_dir = tmp_path / "out"
+    check_ok(run_job(torchrun(2, "tests/collectives.py", *accumulation_args(accumulation_data, zero_stage),
+                              "--gradient_accumulation_steps", ACCUMULATION, "--output-dir", output_dir),
+                     env={"COLLECTIVES_DIR": str(tmp_path)}))
+    metrics = read_metrics(output_dir)
+    assert (metrics["global_batch_size"], metrics["steps"]) == (24, ACCUMULATION_STEPS)
+    first, last = BACKWARD_REDUCTIONS[zero_stage]
+    for rank in (0, 1):
+        micro_batches = json.loads((tmp_path / f"collectives-rank{rank}.json").read_text())
+        for index, micro_batch in enumerate(micro_batches):
+            nth = (index + 1) % ACCUMULATION == 0
+            reductions = [name for name in micro_batch["backward"] if name in REDUCTIONS]
+            assert reductions == (last if nth else first), f"rank {rank}, micro-batch {index + 1}: {micro_batch}"
+            if zero_stage < 2 and not nth:  # no communication at all before the Nth
+                assert micro_batch == {"boundary": False, "forward": [], "backward": [], "step": []}
+        # The engine's boundaries: an optimizer step every Nth micro-batch.
+        assert [m["boundary"] for m in micro_batches] == ([False] * (ACCUMULATION - 1) + [True]) * ACCUMULATION_STEPS
+    if zero_stage in (1, 2):
+        difference = parity.max_relative_difference(output_dir / "model.pt",
+                                                    request.getfixturevalue("without_accumulation"))
+        assert difference <= ACCUMULATION_TOLERANCE, f"{difference:.1e}"

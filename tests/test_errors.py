@@ -58,6 +58,8 @@ def cases(tmp, port):
     return {
         "a global batch that the world size does not divide":
             (torchrun(3, "04_cifar10_ddp.py", *SYNTHETIC_ARGS, "--batch-size", 32, *out), {}, {}),
+        "a global batch that the world size times 05's `--gradient_accumulation_steps` does not divide":
+            (torchrun(2, "05_cifar10_deepspeed.py", *SYNTHETIC_ARGS, "--gradient_accumulation_steps", 5, *out), {}, {}),
         "`--batch-size` of 0 or less": (python("02_cifar10_gpu.py", *SYNTHETIC_ARGS, "--batch-size", 0, *out), {}, {}),
         "`--epochs` of 0 or less": (python("02_cifar10_gpu.py", *SYNTHETIC_ARGS, "--epochs", -1, *out), {}, {}),
         "an unknown `--amp`": (python("02_cifar10_gpu.py", *SYNTHETIC_ARGS, "--amp", "fp8", *out), {}, {}),
