@@ -55,7 +55,6 @@ ROWS = [
     Row("04 x2", "04_cifar10_ddp.py", "torchrun", 2, "float64", STEPS, "01"),
     Row("04 x4", "04_cifar10_ddp.py", "torchrun", 4, "float64", STEPS, "01"),
     Row("07 x2", "07_cifar10_fsdp.py", "torchrun", 2, "float64", STEPS, "01"),
-    Row("07 x4", "07_cifar10_fsdp.py", "torchrun", 4, "float64", STEPS, "01"),
     Row("01 fp32", "01_cifar10_cpu.py", "python", 1, "float32", FLOAT32_STEPS, None),
     Row("05 ZeRO-0 x2", "05_cifar10_deepspeed.py", "torchrun", 2, "float32", FLOAT32_STEPS, "01 fp32",
         ("--zero-stage", "0")),
