@@ -35,7 +35,7 @@ README_WORDS = 2500
 
 def shell_commands(text):
     """Command lines in `text`'s shell code blocks and inline code (or a docstring's lines), continuations joined."""
-    fences = re.findall(r"^```(\w*)\n(.*?)^```", text, flags=re.S | re.M)
+    fences = re.findall(r"^[ \t]*```(\w*)\n(.*?)^[ \t]*```", text, flags=re.S | re.M)  # list items indent them
     blocks = [block for language, block in fences if language in ("", "bash")] if fences else [text]
     blocks += re.findall(r"(?<!`)`([^`\n]+)`(?!`)", text)
     commands = []
