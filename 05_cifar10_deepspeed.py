@@ -250,8 +250,7 @@ def save_checkpoint(args, model, epoch, step):  # [05]
 def load_checkpoint(args, model):  # [05]
     """Restore `save_checkpoint`'s state; returns the step and the epoch to continue from."""
     directory = os.path.join(args.output_dir, "checkpoints")  # [05]
-    if not os.path.isfile(os.path.join(directory, "latest")):  # [05]
-        raise utils.UsageError(f"--resume: no checkpoint in {directory}; run once with --save-every first")  # [05]
+    # One clear error, the same on every rank, for no checkpoint or shards written by another world size.
     utils.check_zero_shards(directory, dist.get_world_size())  # [05] shards fit only the world that wrote them
     _, checkpoint = model.load_checkpoint(directory)  # [05] every rank reads its own shard of `latest`
     utils.check_resumable(checkpoint, batch_size=args.batch_size, epochs=args.epochs, seed=args.seed)

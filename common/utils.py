@@ -156,9 +156,10 @@ def latest_checkpoint(directory):
 
 
 def check_zero_shards(directory, world_size):
-    """Refuse, on every rank alike, to resume a DeepSpeed checkpoint whose ZeRO shards were written by
-    another number of processes: ZeRO cannot re-partition them, and left to DeepSpeed the ranks without
-    a shard fail with an assertion while the others report the mismatch."""
+    """Refuse, on every rank alike, to resume without a checkpoint (`latest_checkpoint`'s error), or from
+    a DeepSpeed checkpoint whose ZeRO shards were written by another number of processes: ZeRO cannot
+    re-partition them, and left to DeepSpeed the ranks without a shard fail with an assertion while the
+    others report the mismatch."""
     shards = glob.glob(os.path.join(latest_checkpoint(directory), "*_optim_states.pt"))
     if shards and len(shards) != world_size:
         raise UsageError(f"cannot resume from {directory}: its ZeRO shards were written by {len(shards)} "

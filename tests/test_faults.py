@@ -19,7 +19,7 @@ ELASTIC_OPTIONS, ELASTIC_ENV = ["--max-restarts=1"], {"TORCH_DISABLE_SHARE_RDZV_
 
 
 def saved_step(output_dir):
-    """The step of the checkpoint that a resume of 04 or 06 reads (06's names its directory)."""
+    """The step recorded in `checkpoint.pt`: 04's checkpoint itself, 06's pointer to its saved state."""
     return load_state(output_dir / "checkpoint.pt")["step"]
 
 
