@@ -62,8 +62,10 @@ def test_killed_worker_is_restarted_and_resumes_from_the_last_checkpoint(script,
     command = torchrun(2, script, *FAULT_RUN_ARGS, *extra_args, "--output-dir", tmp_path, options=ELASTIC_OPTIONS)
     result = check_ok(run_job(command, env=ELASTIC_ENV, poll=kill_rank_1_after_a_checkpoint, timeout=300))
     assert killed, f"the run ended before a checkpoint of step {KILL_AFTER_STEP} was seen"
-    # torchrun saw the killed worker fail, and restarted the group once, which resumed by itself.
-    assert result.stderr.count("failed (exitcode: -9)") == 1, result.stderr[-3000:]
+    # torchrun saw the group fail once and restarted it once, which resumed by itself. The failure it
+    # names is the earliest by a timestamp in whole seconds: the killed worker, or the survivor whose
+    # next collective broke in the same second, so the line's exit code is not checked.
+    assert result.stderr.count("failed (exitcode: ") == 1, result.stderr[-3000:]
     resumed = [line for line in result.stdout.splitlines() if line.startswith("resumed from step")]
     assert len(resumed) == 1, result.stdout
     assert KILL_AFTER_STEP <= int(resumed[0].split()[-1]) < FAULT_RUN_STEPS
