@@ -1,8 +1,9 @@
 """Step 02: the same loop on one GPU, with mixed precision.
 
-New (lines marked `# [02]`): the model and every batch move to the GPU (`.to(device)`, pinned memory,
-non-blocking copies), --amp runs the forward pass under `torch.autocast` (fp16 with a `GradScaler`),
-and deterministic kernels keep --resume exact. Without a GPU it runs on the CPU.
+New (lines marked `# [02]`): `device` is the GPU, so the model and every batch go there (the loader
+copies each batch as uint8 from pinned memory and augments it on the GPU), --amp runs the forward pass
+under `torch.autocast` (fp16 with a `GradScaler`), and deterministic kernels keep --resume exact.
+Without a GPU it runs on the CPU.
 
 Launch:
     python 02_cifar10_gpu.py --amp bf16               # CIFAR-10 on GPU 0 (fp16 on pre-Ampere GPUs)
@@ -17,7 +18,6 @@ import time
 
 import torch
 import torch.nn.functional as F
-from torch.utils.data import DataLoader
 from tqdm import tqdm
 
 from common import data, flags, models, utils
@@ -25,7 +25,7 @@ from common import data, flags, models, utils
 
 def parse_args():
     parser = flags.build_parser(__file__, __doc__, epochs=10, batch_size=256, lr=0.2)
-    flags.add_norm_argument(parser)
+    flags.add_cifar10_arguments(parser)
     flags.add_amp_argument(parser)  # [02]
     return parser.parse_args()
 
@@ -46,15 +46,12 @@ def main():
     if args.batch_size > len(train_set):
         raise utils.UsageError(f"--batch-size {args.batch_size} is larger than the training set ({len(train_set)})")
     sampler = data.EpochShuffleSampler(train_set, seed=args.seed)
-    # The loader gets its own generator: otherwise every epoch's iterator draws a seed from the
-    # global RNG, and a resumed run's random numbers would no longer match an uninterrupted run's.
-    train_loader = DataLoader(train_set, batch_size=args.batch_size, sampler=sampler, drop_last=True,
-                              generator=torch.Generator().manual_seed(args.seed),
-                              num_workers=args.num_workers, pin_memory=device.type == "cuda")  # [02] copies overlap
-    test_loader = DataLoader(test_set, batch_size=args.batch_size,
-                             num_workers=args.num_workers, pin_memory=device.type == "cuda")  # [02]
+    # Whole batches, cut and augmented on `device` in a few tensor operations (docs/data-and-model.md).
+    train_loader = data.BatchLoader(train_set, args.batch_size, sampler=sampler, drop_last=True,
+                                    device=device, num_workers=args.num_workers)
+    test_loader = data.BatchLoader(test_set, args.batch_size, device=device, num_workers=args.num_workers)
 
-    model = models.ResNet9(norm=args.norm).to(device)
+    model = models.ResNet9(norm=args.norm, width=args.width).to(device)
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9, nesterov=True, weight_decay=5e-4)
     total_steps = args.epochs * len(train_loader)
     scheduler = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=args.lr, total_steps=total_steps)
@@ -67,6 +64,7 @@ def main():
 
     meter = utils.Throughput()
     start_time = time.perf_counter()
+    history = []  # per epoch, for benchmarks/report.py
     for epoch in range(start_epoch, args.epochs):
         sampler.set_epoch(epoch)
         train_set.set_epoch(epoch)  # augmentation draws depend on (seed, epoch, sample) only
@@ -75,11 +73,13 @@ def main():
                                                scaler, amp_dtype, device, epoch, step, last_step)  # [02]
         meter.stop((new_step - step) * args.batch_size)
         step = new_step
-        test_loss, test_accuracy, test_samples = evaluate(model, test_loader, device, amp_dtype)  # [02]
+        test_loss, test_accuracy, test_samples = evaluate(model, test_loader, device, amp_dtype, args.tta)  # [02]
+        history.append({"step": step, "elapsed_seconds": time.perf_counter() - start_time, "train_loss": train_loss,
+                        "test_loss": test_loss, "test_accuracy": test_accuracy})
         print(
             f"epoch {epoch + 1}/{args.epochs}  step {step}  train_loss {train_loss:.4f}  "
             f"test_loss {test_loss:.4f}  test_accuracy {test_accuracy:.4f}  "
-            f"samples/s {meter.samples_per_second:.1f}  elapsed {time.perf_counter() - start_time:.1f}s")
+            f"samples/s {meter.samples_per_second:.1f}  elapsed {history[-1]['elapsed_seconds']:.1f}s")
         if step >= last_step:
             break
 
@@ -98,6 +98,7 @@ def main():
         "test_samples": test_samples,
         "samples_per_second": meter.samples_per_second,
         "wall_seconds": time.perf_counter() - start_time,
+        "history": history,
     }
     utils.save_atomic(model.state_dict(), os.path.join(args.output_dir, "model.pt"))
     utils.write_json(metrics, os.path.join(args.output_dir, "metrics.json"))
@@ -113,9 +114,8 @@ def train_one_epoch(args, model, loader, optimizer, scheduler,
     progress = tqdm(itertools.islice(loader, done, end), total=end - done,
                     desc=f"epoch {epoch + 1}", leave=False)
     for images, labels in progress:
-        images, labels = images.to(device, non_blocking=True), labels.to(device, non_blocking=True)  # [02]
         with torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None):  # [02]
-            loss = F.cross_entropy(model(images), labels)  # [02]
+            loss = F.cross_entropy(model(images), labels, label_smoothing=args.label_smoothing)  # [02]
         optimizer.zero_grad(set_to_none=True)
         scaler.scale(loss).backward()  # [02]
         scaler.step(optimizer)  # [02] unscales the gradients; skips the step if they overflowed
@@ -131,14 +131,13 @@ def train_one_epoch(args, model, loader, optimizer, scheduler,
 
 
 @torch.no_grad()
-def evaluate(model, loader, device, amp_dtype):  # [02]
+def evaluate(model, loader, device, amp_dtype, tta):  # [02]
     """Mean loss and accuracy over the whole test set; returns them and the number of samples."""
     model.eval()
     totals = torch.zeros(3, dtype=torch.float64, device=device)  # loss sum, correct, samples
     for images, labels in loader:
-        images, labels = images.to(device, non_blocking=True), labels.to(device, non_blocking=True)  # [02]
         with torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None):  # [02]
-            logits = model(images)  # [02]
+            logits = models.predict(model, images, flip=tta)  # [02]
         totals[0] += F.cross_entropy(logits.float(), labels, reduction="sum")
         totals[1] += (logits.argmax(dim=1) == labels).sum()
         totals[2] += len(labels)
@@ -159,13 +158,14 @@ def save_checkpoint(args, model, optimizer, scheduler, scaler, epoch, step):  # 
         "batch_size": args.batch_size,
         "epochs": args.epochs,
         "seed": args.seed,
+        "width": args.width,
     }, os.path.join(args.output_dir, "checkpoint.pt"))
 
 
 def load_checkpoint(args, model, optimizer, scheduler, scaler, device):  # [02]
     """Restore `save_checkpoint`'s state; returns the step and the epoch to continue from."""
     checkpoint = utils.load_checkpoint(os.path.join(args.output_dir, "checkpoint.pt"), map_location=device)
-    utils.check_resumable(checkpoint, batch_size=args.batch_size, epochs=args.epochs, seed=args.seed)
+    utils.check_resumable(checkpoint, batch_size=args.batch_size, epochs=args.epochs, seed=args.seed, width=args.width)
     model.load_state_dict(checkpoint["model"])
     optimizer.load_state_dict(checkpoint["optimizer"])
     scheduler.load_state_dict(checkpoint["scheduler"])

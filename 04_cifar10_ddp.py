@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist  # [04]
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel  # [04]
-from torch.utils.data import DataLoader, DistributedSampler, Subset  # [04]
+from torch.utils.data import DistributedSampler, Subset  # [04]
 from tqdm import tqdm
 
 from common import data, distributed, flags, models, utils  # [04]
@@ -28,7 +28,7 @@ from common import data, distributed, flags, models, utils  # [04]
 
 def parse_args():
     parser = flags.build_parser(__file__, __doc__, epochs=10, batch_size=256, lr=0.2)
-    flags.add_norm_argument(parser)
+    flags.add_cifar10_arguments(parser)
     flags.add_amp_argument(parser)  # [02]
     return parser.parse_args()
 
@@ -65,18 +65,15 @@ def main():
     # Every rank shuffles with the same seed and keeps every world_size-th sample: the ranks' batches are
     # disjoint, and together they are the global batch that 01-03 take.
     sampler = DistributedSampler(train_set, num_replicas=world_size, rank=rank, seed=args.seed, drop_last=True)  # [04]
-    # The loader gets its own generator: otherwise every epoch's iterator draws a seed from the
-    # global RNG, and a resumed run's random numbers would no longer match an uninterrupted run's.
-    train_loader = DataLoader(train_set, batch_size=batch_size, sampler=sampler, drop_last=True,  # [04]
-                              generator=torch.Generator().manual_seed(args.seed),
-                              num_workers=args.num_workers, pin_memory=device.type == "cuda")  # [02] copies overlap
+    # Whole batches, cut and augmented on `device` in a few tensor operations (docs/data-and-model.md).
+    train_loader = data.BatchLoader(train_set, batch_size, sampler=sampler, drop_last=True,  # [04]
+                                    device=device, num_workers=args.num_workers)
     # Each rank evaluates a disjoint slice; not DistributedSampler, which pads the slices to equal length
     # with repeated samples, so some test samples would be counted twice.
     test_shard = Subset(test_set, range(rank, len(test_set), world_size))  # [04]
-    test_loader = DataLoader(test_shard, batch_size=batch_size,  # [04]
-                             num_workers=args.num_workers, pin_memory=device.type == "cuda")  # [02]
+    test_loader = data.BatchLoader(test_shard, batch_size, device=device, num_workers=args.num_workers)  # [04]
 
-    model = models.ResNet9(norm=args.norm).to(device)
+    model = models.ResNet9(norm=args.norm, width=args.width).to(device)
     # DDP broadcasts rank 0's weights at start, then all-reduces (averages) the gradients during
     # backward, so every rank takes the same optimizer step and the replicas stay identical.
     model = DistributedDataParallel(model, device_ids=[local_rank] if device.type == "cuda" else None)  # [04]
@@ -94,6 +91,7 @@ def main():
 
     meter = utils.Throughput()
     start_time = time.perf_counter()
+    history = []  # per epoch, for benchmarks/report.py
     for epoch in range(start_epoch, args.epochs):
         sampler.set_epoch(epoch)  # [04] without it, DistributedSampler repeats epoch 0's order forever
         train_set.set_epoch(epoch)  # augmentation draws depend on (seed, epoch, sample) only
@@ -102,11 +100,13 @@ def main():
                                                scaler, amp_dtype, device, epoch, step, last_step)  # [02]
         meter.stop((new_step - step) * args.batch_size)
         step = new_step
-        test_loss, test_accuracy, test_samples = evaluate(model, test_loader, device, amp_dtype)  # [02]
+        test_loss, test_accuracy, test_samples = evaluate(model, test_loader, device, amp_dtype, args.tta)  # [02]
+        history.append({"step": step, "elapsed_seconds": time.perf_counter() - start_time, "train_loss": train_loss,
+                        "test_loss": test_loss, "test_accuracy": test_accuracy})
         distributed.print0(  # [04]
             f"epoch {epoch + 1}/{args.epochs}  step {step}  train_loss {train_loss:.4f}  "
             f"test_loss {test_loss:.4f}  test_accuracy {test_accuracy:.4f}  "
-            f"samples/s {meter.samples_per_second:.1f}  elapsed {time.perf_counter() - start_time:.1f}s")
+            f"samples/s {meter.samples_per_second:.1f}  elapsed {history[-1]['elapsed_seconds']:.1f}s")
         if step >= last_step:
             break
 
@@ -125,6 +125,7 @@ def main():
         "test_samples": test_samples,
         "samples_per_second": meter.samples_per_second,
         "wall_seconds": time.perf_counter() - start_time,
+        "history": history,
     }
     if rank == 0:  # [04] one writer. No collective in here: the other ranks would never join it.
         # The weights are in model.module; saving the wrapper would prefix every key with "module.".
@@ -145,9 +146,8 @@ def train_one_epoch(args, model, loader, optimizer, scheduler,
     progress = tqdm(itertools.islice(loader, done, end), total=end - done,
                     desc=f"epoch {epoch + 1}", leave=False, disable=dist.get_rank() != 0)  # [04]
     for images, labels in progress:
-        images, labels = images.to(device, non_blocking=True), labels.to(device, non_blocking=True)  # [02]
         with torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None):  # [02]
-            loss = F.cross_entropy(model(images), labels)  # [02]
+            loss = F.cross_entropy(model(images), labels, label_smoothing=args.label_smoothing)  # [02]
         optimizer.zero_grad(set_to_none=True)
         scaler.scale(loss).backward()  # [02]
         scaler.step(optimizer)  # [02] unscales the gradients; skips the step if they overflowed
@@ -164,14 +164,13 @@ def train_one_epoch(args, model, loader, optimizer, scheduler,
 
 
 @torch.no_grad()
-def evaluate(model, loader, device, amp_dtype):  # [02]
+def evaluate(model, loader, device, amp_dtype, tta):  # [02]
     """Mean loss and accuracy over the whole test set; returns them and the number of samples."""
     model.eval()
     totals = torch.zeros(3, dtype=torch.float64, device=device)  # loss sum, correct, samples
     for images, labels in loader:
-        images, labels = images.to(device, non_blocking=True), labels.to(device, non_blocking=True)  # [02]
         with torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None):  # [02]
-            logits = model(images)  # [02]
+            logits = models.predict(model, images, flip=tta)  # [02]
         totals[0] += F.cross_entropy(logits.float(), labels, reduction="sum")
         totals[1] += (logits.argmax(dim=1) == labels).sum()
         totals[2] += len(labels)
@@ -193,13 +192,14 @@ def save_checkpoint(args, model, optimizer, scheduler, scaler, epoch, step):  # 
         "batch_size": args.batch_size,
         "epochs": args.epochs,
         "seed": args.seed,
+        "width": args.width,
     }, os.path.join(args.output_dir, "checkpoint.pt"))
 
 
 def load_checkpoint(args, model, optimizer, scheduler, scaler, device):  # [02]
     """Restore `save_checkpoint`'s state; returns the step and the epoch to continue from."""
     checkpoint = utils.load_checkpoint(os.path.join(args.output_dir, "checkpoint.pt"), map_location=device)
-    utils.check_resumable(checkpoint, batch_size=args.batch_size, epochs=args.epochs, seed=args.seed)
+    utils.check_resumable(checkpoint, batch_size=args.batch_size, epochs=args.epochs, seed=args.seed, width=args.width)
     model.module.load_state_dict(checkpoint["model"])  # [04]
     optimizer.load_state_dict(checkpoint["optimizer"])
     scheduler.load_state_dict(checkpoint["scheduler"])

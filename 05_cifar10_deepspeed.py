@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist  # [04]
 import torch.nn.functional as F
 from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint  # [05]
-from torch.utils.data import DataLoader, DistributedSampler, Subset  # [04]
+from torch.utils.data import DistributedSampler, Subset  # [04]
 from tqdm import tqdm
 
 from common import data, distributed, flags, models, utils  # [04]
@@ -34,7 +34,7 @@ from common import data, distributed, flags, models, utils  # [04]
 
 def parse_args():
     parser = flags.build_parser(__file__, __doc__, epochs=10, batch_size=256, lr=0.2)
-    flags.add_norm_argument(parser)
+    flags.add_cifar10_arguments(parser)
     flags.add_amp_argument(parser)  # [02]
     parser.add_argument("--zero-stage", type=int, choices=[0, 1, 2, 3], help="default: the config's")  # [05]
     parser.add_argument("--gradient_accumulation_steps", "--gradient-accumulation-steps", metavar="N",  # [05]
@@ -84,21 +84,19 @@ def main():
     # Every rank shuffles with the same seed and keeps every world_size-th sample: the ranks' batches are
     # disjoint, and together they are the global batch that 01-03 take.
     sampler = DistributedSampler(train_set, num_replicas=world_size, rank=rank, seed=args.seed, drop_last=True)  # [04]
-    # The loader gets its own generator: otherwise every epoch's iterator draws a seed from the
-    # global RNG, and a resumed run's random numbers would no longer match an uninterrupted run's.
-    train_loader = DataLoader(train_set, batch_size=batch_size, sampler=sampler, drop_last=True,  # [04]
-                              generator=torch.Generator().manual_seed(args.seed),
-                              num_workers=args.num_workers, pin_memory=device.type == "cuda")  # [02] copies overlap
+    # Whole batches, cut and augmented on `device` in a few tensor operations (docs/data-and-model.md).
+    train_loader = data.BatchLoader(train_set, batch_size, sampler=sampler, drop_last=True,  # [04]
+                                    device=device, num_workers=args.num_workers)
     # Each rank evaluates a disjoint slice; not DistributedSampler, which pads the slices to equal length
     # with repeated samples, so some test samples would be counted twice.
     test_shard = Subset(test_set, range(rank, len(test_set), world_size))  # [04]
     # Under ZeRO-3 every forward pass gathers the weights from every rank, so every rank must run as many
     # test batches as the others: each slice is cut into the same number of batches.
     test_batches = data.equal_batches(len(test_set), world_size, rank, batch_size)  # [05]
-    test_loader = DataLoader(test_shard, batch_sampler=test_batches,  # [05]
-                             num_workers=args.num_workers, pin_memory=device.type == "cuda")  # [02]
+    test_loader = data.BatchLoader(test_shard, batch_sampler=test_batches, device=device,  # [05]
+                                   num_workers=args.num_workers)  # [05]
 
-    model = models.ResNet9(norm=args.norm).to(device)
+    model = models.ResNet9(norm=args.norm, width=args.width).to(device)
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9, nesterov=True, weight_decay=5e-4)
     # A last incomplete group of N micro-batches is left out: the engine would add it to the next epoch's first step.
     steps_per_epoch = len(train_loader) // accumulation_steps  # [05] the loader yields micro-batches, N per step
@@ -128,6 +126,7 @@ def main():
 
     meter = utils.Throughput()
     start_time = time.perf_counter()
+    history = []  # per epoch, for benchmarks/report.py
     for epoch in range(start_epoch, args.epochs):
         sampler.set_epoch(epoch)  # [04] without it, DistributedSampler repeats epoch 0's order forever
         train_set.set_epoch(epoch)  # augmentation draws depend on (seed, epoch, sample) only
@@ -136,11 +135,13 @@ def main():
                                                amp_dtype, device, epoch, step, last_step)  # [05]
         meter.stop((new_step - step) * args.batch_size)
         step = new_step
-        test_loss, test_accuracy, test_samples = evaluate(model, test_loader, device, amp_dtype)  # [02]
+        test_loss, test_accuracy, test_samples = evaluate(model, test_loader, device, amp_dtype, args.tta)  # [02]
+        history.append({"step": step, "elapsed_seconds": time.perf_counter() - start_time, "train_loss": train_loss,
+                        "test_loss": test_loss, "test_accuracy": test_accuracy})
         distributed.print0(  # [04]
             f"epoch {epoch + 1}/{args.epochs}  step {step}  train_loss {train_loss:.4f}  "
             f"test_loss {test_loss:.4f}  test_accuracy {test_accuracy:.4f}  "
-            f"samples/s {meter.samples_per_second:.1f}  elapsed {time.perf_counter() - start_time:.1f}s")
+            f"samples/s {meter.samples_per_second:.1f}  elapsed {history[-1]['elapsed_seconds']:.1f}s")
         if step >= last_step:
             break
 
@@ -160,6 +161,7 @@ def main():
         "test_samples": test_samples,
         "samples_per_second": meter.samples_per_second,
         "wall_seconds": time.perf_counter() - start_time,
+        "history": history,
     }
     if rank == 0:  # [04] one writer. No collective in here: the other ranks would never join it.
         # model.pt holds fp32 weights. Under ZeRO they exist only as the ranks' shards of the optimizer
@@ -187,8 +189,9 @@ def train_one_epoch(args, model, loader, accumulation_steps, steps_per_epoch,  #
     progress = tqdm(itertools.islice(loader, done, end), total=end - done,
                     desc=f"epoch {epoch + 1}", leave=False, disable=dist.get_rank() != 0)  # [04]
     for images, labels in progress:
-        images, labels = images.to(device, amp_dtype, non_blocking=True), labels.to(device, non_blocking=True)  # [05]
-        loss = F.cross_entropy(model(images).float(), labels)  # [05] the loss in fp32, whatever the weights
+        images = images.to(amp_dtype)  # [05]
+        # The loss in fp32, whatever the dtype of the weights.
+        loss = F.cross_entropy(model(images).float(), labels, label_smoothing=args.label_smoothing)  # [05]
         boundary = model.is_gradient_accumulation_boundary()  # [05] the Nth micro-batch? Ask before step() counts it
         model.backward(loss)  # [05] scales the loss by 1/N (and for fp16), adds to the gradients, averages them
         model.step()  # [05] at the Nth: optimizer step and schedule (skipped if fp16 overflowed), zero_grad
@@ -206,7 +209,7 @@ def train_one_epoch(args, model, loader, accumulation_steps, steps_per_epoch,  #
 
 
 @torch.no_grad()
-def evaluate(model, loader, device, amp_dtype):  # [02]
+def evaluate(model, loader, device, amp_dtype, tta):  # [02]
     """Mean loss and accuracy over the whole test set; returns them and the number of samples."""
     model.eval()
     # DeepSpeed, unlike DDP, never synchronises buffers: each rank's BatchNorm statistics have followed
@@ -215,8 +218,8 @@ def evaluate(model, loader, device, amp_dtype):  # [02]
         dist.broadcast(buffer, src=0)  # [05]
     totals = torch.zeros(3, dtype=torch.float64, device=device)  # loss sum, correct, samples
     for images, labels in loader:
-        images, labels = images.to(device, amp_dtype, non_blocking=True), labels.to(device, non_blocking=True)  # [05]
-        logits = model(images)  # [05]
+        images = images.to(amp_dtype)  # [05]
+        logits = models.predict(model, images, flip=tta)  # [05]
         totals[0] += F.cross_entropy(logits.float(), labels, reduction="sum")
         totals[1] += (logits.argmax(dim=1) == labels).sum()
         totals[2] += len(labels)
@@ -238,6 +241,7 @@ def save_checkpoint(args, model, epoch, step):  # [05]
         "batch_size": args.batch_size,
         "epochs": args.epochs,
         "seed": args.seed,
+        "width": args.width,
     })  # [05]
     # `latest` names the checkpoint to resume from. DeepSpeed's own is written by rank 0 before the
     # other ranks have finished their shards, and not atomically: this one is written after
@@ -253,7 +257,7 @@ def load_checkpoint(args, model):  # [05]
     # One clear error, the same on every rank, for no checkpoint or shards written by another world size.
     utils.check_zero_shards(directory, dist.get_world_size())  # [05] shards fit only the world that wrote them
     _, checkpoint = model.load_checkpoint(directory)  # [05] every rank reads its own shard of `latest`
-    utils.check_resumable(checkpoint, batch_size=args.batch_size, epochs=args.epochs, seed=args.seed)
+    utils.check_resumable(checkpoint, batch_size=args.batch_size, epochs=args.epochs, seed=args.seed, width=args.width)
     utils.set_rng_state(checkpoint["rng"])
     distributed.print0(f"resumed from step {checkpoint['step']}")  # [04]
     return checkpoint["step"], checkpoint["epoch"]

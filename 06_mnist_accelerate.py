@@ -61,13 +61,13 @@ def main():
         raise utils.UsageError(f"--batch-size {args.batch_size} is larger than the training set ({len(train_set)})")
     # 01's sampler and global batches: `prepare` gives each process its share of every batch.
     sampler = data.EpochShuffleSampler(train_set, seed=args.seed)  # [06]
-    # The loader gets its own generator: otherwise every epoch's iterator draws a seed from the
-    # global RNG, and a resumed run's random numbers would no longer match an uninterrupted run's.
+    # A torch DataLoader, which `prepare` can shard. Its own generator: otherwise each epoch's iterator
+    # draws a seed from the global RNG, and a resumed run's random numbers would not match an uninterrupted run's.
     train_loader = DataLoader(train_set, batch_size=args.batch_size, sampler=sampler, drop_last=True,  # [06]
-                              generator=torch.Generator().manual_seed(args.seed),
-                              num_workers=args.num_workers, pin_memory=device.type == "cuda")  # [02] copies overlap
+                              generator=torch.Generator().manual_seed(args.seed),  # [06]
+                              num_workers=args.num_workers, pin_memory=device.type == "cuda")  # [06] copies overlap
     test_loader = DataLoader(test_set, batch_size=args.batch_size,  # [06] a plain loader: `prepare` shards it
-                             num_workers=args.num_workers, pin_memory=device.type == "cuda")  # [02]
+                             num_workers=args.num_workers, pin_memory=device.type == "cuda")  # [06]
 
     model = models.MnistCNN(dropout=not args.no_dropout)  # [06]
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9, nesterov=True, weight_decay=5e-4)
@@ -88,6 +88,7 @@ def main():
 
     meter = utils.Throughput()
     start_time = time.perf_counter()
+    history = []  # per epoch, for benchmarks/report.py
     for epoch in range(start_epoch, args.epochs):
         train_loader.set_epoch(epoch)  # [06] not sampler.set_epoch: the prepared loader would overwrite it
         train_set.set_epoch(epoch)  # augmentation draws depend on (seed, epoch, sample) only
@@ -97,10 +98,12 @@ def main():
         meter.stop((new_step - step) * args.batch_size)
         step = new_step
         test_loss, test_accuracy, test_samples = evaluate(model, test_loader, device, accelerator)  # [06]
+        history.append({"step": step, "elapsed_seconds": time.perf_counter() - start_time, "train_loss": train_loss,
+                        "test_loss": test_loss, "test_accuracy": test_accuracy})
         distributed.print0(  # [04]
             f"epoch {epoch + 1}/{args.epochs}  step {step}  train_loss {train_loss:.4f}  "
             f"test_loss {test_loss:.4f}  test_accuracy {test_accuracy:.4f}  "
-            f"samples/s {meter.samples_per_second:.1f}  elapsed {time.perf_counter() - start_time:.1f}s")
+            f"samples/s {meter.samples_per_second:.1f}  elapsed {history[-1]['elapsed_seconds']:.1f}s")
         if step >= last_step:
             break
 
@@ -119,6 +122,7 @@ def main():
         "test_samples": test_samples,
         "samples_per_second": meter.samples_per_second,
         "wall_seconds": time.perf_counter() - start_time,
+        "history": history,
     }
     if rank == 0:  # [04] one writer. No collective in here: the other ranks would never join it.
         # unwrap_model takes the wrappers off: a plain state_dict, without "module." prefixes.

@@ -30,7 +30,7 @@ from torch.distributed.checkpoint.state_dict import (  # [07] the sharded state,
 )  # [07]
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard  # [07]
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler  # [07]
-from torch.utils.data import DataLoader, DistributedSampler, Subset  # [04]
+from torch.utils.data import DistributedSampler, Subset  # [04]
 from tqdm import tqdm
 
 from common import data, distributed, flags, models, utils  # [04]
@@ -38,7 +38,7 @@ from common import data, distributed, flags, models, utils  # [04]
 
 def parse_args():
     parser = flags.build_parser(__file__, __doc__, epochs=10, batch_size=256, lr=0.2)
-    flags.add_norm_argument(parser)
+    flags.add_cifar10_arguments(parser)
     flags.add_amp_argument(parser)  # [02]
     return parser.parse_args()
 
@@ -75,21 +75,19 @@ def main():
     # Every rank shuffles with the same seed and keeps every world_size-th sample: the ranks' batches are
     # disjoint, and together they are the global batch that 01-03 take.
     sampler = DistributedSampler(train_set, num_replicas=world_size, rank=rank, seed=args.seed, drop_last=True)  # [04]
-    # The loader gets its own generator: otherwise every epoch's iterator draws a seed from the
-    # global RNG, and a resumed run's random numbers would no longer match an uninterrupted run's.
-    train_loader = DataLoader(train_set, batch_size=batch_size, sampler=sampler, drop_last=True,  # [04]
-                              generator=torch.Generator().manual_seed(args.seed),
-                              num_workers=args.num_workers, pin_memory=device.type == "cuda")  # [02] copies overlap
+    # Whole batches, cut and augmented on `device` in a few tensor operations (docs/data-and-model.md).
+    train_loader = data.BatchLoader(train_set, batch_size, sampler=sampler, drop_last=True,  # [04]
+                                    device=device, num_workers=args.num_workers)
     # Each rank evaluates a disjoint slice; not DistributedSampler, which pads the slices to equal length
     # with repeated samples, so some test samples would be counted twice.
     test_shard = Subset(test_set, range(rank, len(test_set), world_size))  # [04]
     # Every forward pass gathers each unit's weights from every rank, so every rank must run as many test
     # batches as the others: each slice is cut into the same number of batches.
     test_batches = data.equal_batches(len(test_set), world_size, rank, batch_size)  # [07]
-    test_loader = DataLoader(test_shard, batch_sampler=test_batches,  # [07]
-                             num_workers=args.num_workers, pin_memory=device.type == "cuda")  # [02]
+    test_loader = data.BatchLoader(test_shard, batch_sampler=test_batches, device=device,  # [07]
+                                   num_workers=args.num_workers)  # [07]
 
-    model = models.ResNet9(norm=args.norm).to(device)
+    model = models.ResNet9(norm=args.norm, width=args.width).to(device)
     # Each residual block, then the root (the remaining layers), becomes one unit: each rank keeps a shard
     # of its weights; just before the unit runs (forward and backward), its full weights are gathered
     # from every rank and freed after. The gradients are reduce-scattered: each rank gets the averaged
@@ -119,6 +117,7 @@ def main():
 
     meter = utils.Throughput()
     start_time = time.perf_counter()
+    history = []  # per epoch, for benchmarks/report.py
     for epoch in range(start_epoch, args.epochs):
         sampler.set_epoch(epoch)  # [04] without it, DistributedSampler repeats epoch 0's order forever
         train_set.set_epoch(epoch)  # augmentation draws depend on (seed, epoch, sample) only
@@ -127,11 +126,13 @@ def main():
                                                scaler, device, epoch, step, last_step)  # [07]
         meter.stop((new_step - step) * args.batch_size)
         step = new_step
-        test_loss, test_accuracy, test_samples = evaluate(model, test_loader, device)  # [07]
+        test_loss, test_accuracy, test_samples = evaluate(model, test_loader, device, args.tta)  # [07]
+        history.append({"step": step, "elapsed_seconds": time.perf_counter() - start_time, "train_loss": train_loss,
+                        "test_loss": test_loss, "test_accuracy": test_accuracy})
         distributed.print0(  # [04]
             f"epoch {epoch + 1}/{args.epochs}  step {step}  train_loss {train_loss:.4f}  "
             f"test_loss {test_loss:.4f}  test_accuracy {test_accuracy:.4f}  "
-            f"samples/s {meter.samples_per_second:.1f}  elapsed {time.perf_counter() - start_time:.1f}s")
+            f"samples/s {meter.samples_per_second:.1f}  elapsed {history[-1]['elapsed_seconds']:.1f}s")
         if step >= last_step:
             break
 
@@ -150,6 +151,7 @@ def main():
         "test_samples": test_samples,
         "samples_per_second": meter.samples_per_second,
         "wall_seconds": time.perf_counter() - start_time,
+        "history": history,
     }
     # Gathering the full weights is a collective: every rank takes part, rank 0 alone receives them (the
     # others get an empty dict), on the CPU, in fp32: model.pt in the format of every other step.
@@ -172,8 +174,7 @@ def train_one_epoch(args, model, loader, optimizer, scheduler,
     progress = tqdm(itertools.islice(loader, done, end), total=end - done,
                     desc=f"epoch {epoch + 1}", leave=False, disable=dist.get_rank() != 0)  # [04]
     for images, labels in progress:
-        images, labels = images.to(device, non_blocking=True), labels.to(device, non_blocking=True)  # [02]
-        loss = F.cross_entropy(model(images), labels)  # [07] no autocast: FSDP's policy casts
+        loss = F.cross_entropy(model(images), labels, label_smoothing=args.label_smoothing)  # [07] FSDP casts
         optimizer.zero_grad(set_to_none=True)
         scaler.scale(loss).backward()  # [02]
         scaler.step(optimizer)  # [02] unscales the gradients; skips the step if they overflowed
@@ -190,7 +191,7 @@ def train_one_epoch(args, model, loader, optimizer, scheduler,
 
 
 @torch.no_grad()
-def evaluate(model, loader, device):  # [07]
+def evaluate(model, loader, device, tta):  # [07]
     """Mean loss and accuracy over the whole test set; returns them and the number of samples."""
     model.eval()
     # FSDP shards the parameters only: each rank's BatchNorm statistics have followed its own batches.
@@ -198,8 +199,7 @@ def evaluate(model, loader, device):  # [07]
     distributed.broadcast_buffers(model)  # [07]
     totals = torch.zeros(3, dtype=torch.float64, device=device)  # loss sum, correct, samples
     for images, labels in loader:
-        images, labels = images.to(device, non_blocking=True), labels.to(device, non_blocking=True)  # [02]
-        logits = model(images)  # [07]
+        logits = models.predict(model, images, flip=tta)  # [07]
         totals[0] += F.cross_entropy(logits.float(), labels, reduction="sum")
         totals[1] += (logits.argmax(dim=1) == labels).sum()
         totals[2] += len(labels)
@@ -228,6 +228,7 @@ def save_checkpoint(args, model, optimizer, scheduler, scaler, epoch, step):  # 
         "batch_size": args.batch_size,
         "epochs": args.epochs,
         "seed": args.seed,
+        "width": args.width,
     }, os.path.join(directory, f"step{step}", "train_state.pt"))  # [07]
     # `latest` last, atomically: a crash mid-save leaves it naming the previous, complete checkpoint.
     utils.write_text(f"step{step}", os.path.join(directory, "latest"))  # [07]
@@ -238,7 +239,7 @@ def load_checkpoint(args, model, optimizer, scheduler, scaler, device):  # [02]
     """Restore `save_checkpoint`'s state; returns the step and the epoch to continue from."""
     directory = utils.latest_checkpoint(os.path.join(args.output_dir, "checkpoints"))  # [07]
     checkpoint = utils.load_checkpoint(os.path.join(directory, "train_state.pt"), map_location=device)  # [07]
-    utils.check_resumable(checkpoint, batch_size=args.batch_size, epochs=args.epochs, seed=args.seed)
+    utils.check_resumable(checkpoint, batch_size=args.batch_size, epochs=args.epochs, seed=args.seed, width=args.width)
     # Every rank reads the parts of the shards it now holds: a checkpoint loads at any world size.
     model_state, optimizer_state = get_state_dict(model, optimizer)  # [07] what to fill, sharded as now
     dcp.load({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=directory)  # [07]

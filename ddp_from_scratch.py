@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
-from torch.utils.data import DataLoader, DistributedSampler, Subset
+from torch.utils.data import DistributedSampler, Subset
 
 from common import data, distributed, flags, models, utils
 
@@ -199,10 +199,10 @@ def main():
     if args.batch_size > len(train_set):
         raise utils.UsageError(f"--batch-size {args.batch_size} is larger than the training set ({len(train_set)})")
     sampler = DistributedSampler(train_set, num_replicas=world_size, rank=rank, seed=args.seed, drop_last=True)
-    train_loader = DataLoader(train_set, batch_size=batch_size, sampler=sampler, drop_last=True,
-                              num_workers=args.num_workers, pin_memory=device.type == "cuda")
-    test_loader = DataLoader(Subset(test_set, range(rank, len(test_set), world_size)), batch_size=batch_size,
-                             num_workers=args.num_workers, pin_memory=device.type == "cuda")
+    train_loader = data.BatchLoader(train_set, batch_size, sampler=sampler, drop_last=True, device=device,
+                                    num_workers=args.num_workers)
+    test_loader = data.BatchLoader(Subset(test_set, range(rank, len(test_set), world_size)), batch_size,
+                                   device=device, num_workers=args.num_workers)
 
     # Another seed on every rank, on purpose: the replicas start different, and only the wrapper's
     # broadcast makes them equal. Rank 0's seed is 04's, so all ranks continue from 04's initial weights.
@@ -263,7 +263,6 @@ def train_one_epoch(model, loader, optimizer, scheduler, accumulation, device, s
     model.train()
     loss_sum, steps = torch.zeros((), device=device), 0
     for images, labels in itertools.islice(loader, steps_left):
-        images, labels = images.to(device, non_blocking=True), labels.to(device, non_blocking=True)
         optimizer.zero_grad(set_to_none=True)
         launched_before = model.all_reduces
         micro_batches = zip(images.chunk(accumulation), labels.chunk(accumulation), strict=True)
@@ -288,7 +287,6 @@ def evaluate(model, loader, device):
     model.eval()
     totals = torch.zeros(3, dtype=torch.float64, device=device)  # loss sum, correct, samples
     for images, labels in loader:
-        images, labels = images.to(device, non_blocking=True), labels.to(device, non_blocking=True)
         logits = model(images)
         totals[0] += F.cross_entropy(logits, labels, reduction="sum")
         totals[1] += (logits.argmax(dim=1) == labels).sum()

@@ -17,7 +17,7 @@ import socket
 import numpy as np
 import torch
 import torch.nn.functional as F
-from torch.utils.data import Dataset, Sampler
+from torch.utils.data import BatchSampler, DataLoader, Dataset, Sampler, SequentialSampler, Subset
 
 from common.utils import UsageError
 
@@ -33,43 +33,85 @@ _CROP_PADDING = 4
 
 
 class ImageDataset(Dataset):
-    """uint8 images (N, C, H, W) and labels held in memory; returns normalised float images.
+    """uint8 images (N, C, H, W) and labels held in memory, served in whole batches (`BatchLoader`).
 
     With `augment=True`, each image is randomly shifted (zero padding of 4, then a crop back to the
     original size) and flipped left-right; the draws are a function of (seed, epoch, index) only.
     Call `set_epoch` before each epoch, like the sampler's.
+
+    `dataset[indices]` (a list) returns the uint8 images, the labels and the augmentation draws of those
+    samples; `prepare` then shifts, flips and normalises the whole batch, on whatever device it is.
+    `dataset[i]` (an int) returns one prepared sample, for a classic `DataLoader` (docs/data-and-model.md).
     """
 
     def __init__(self, images, labels, mean, std, augment=False, seed=0):
         self.images = images
         self.labels = labels.long()
-        self.mean = mean.view(-1, 1, 1)
-        self.std = std.view(-1, 1, 1)
+        self.mean = mean.view(1, -1, 1, 1)
+        self.std = std.view(1, -1, 1, 1)
         self.augment = augment
         self.seed = seed
         self.set_epoch(0)
 
     def set_epoch(self, epoch):
-        if not self.augment:
-            return
-        generator = torch.Generator().manual_seed(self.seed * 100_003 + epoch)
-        self.shifts = torch.randint(0, 2 * _CROP_PADDING + 1, (len(self), 2), generator=generator)
-        self.flips = torch.rand(len(self), generator=generator) < 0.5
+        if self.augment:
+            generator = torch.Generator().manual_seed(self.seed * 100_003 + epoch)
+            self.shifts = torch.randint(0, 2 * _CROP_PADDING + 1, (len(self), 2), generator=generator)
+            self.flips = torch.rand(len(self), generator=generator) < 0.5
+        else:  # the draws that change nothing: no shift from the padded image's centre, no flip
+            self.shifts = torch.full((len(self), 2), _CROP_PADDING)
+            self.flips = torch.zeros(len(self), dtype=torch.bool)
 
     def __len__(self):
         return len(self.labels)
 
     def __getitem__(self, index):
-        image = self.images[index]
-        if self.augment:
-            height, width = image.shape[-2:]
-            top, left = self.shifts[index].tolist()
-            padded = F.pad(image, [_CROP_PADDING] * 4)
-            image = padded[:, top:top + height, left:left + width]
-            if self.flips[index]:
-                image = image.flip(-1)
+        if isinstance(index, list):
+            return self.images[index], self.labels[index], self.shifts[index], self.flips[index]
+        images, labels = self.prepare(*self[[index]])
+        return images[0], labels[0]
+
+    def prepare(self, images, labels, shifts, flips):
+        """A batch from `dataset[indices]`, shifted, flipped and normalised on the device that holds it."""
+        count, channels, height, width = images.shape
+        padded = F.pad(images, [_CROP_PADDING] * 4).flatten(2)
+        # Output pixel (y, x) of image n is padded pixel (top[n] + y, left[n] + x), x mirrored for the
+        # flipped images: one gather for the whole batch.
+        rows = shifts[:, :1] + torch.arange(height, device=images.device)
+        columns = torch.arange(width, device=images.device).expand(count, width)
+        columns = shifts[:, 1:] + torch.where(flips[:, None], columns.flip(-1), columns)
+        pixels = rows[:, :, None] * (width + 2 * _CROP_PADDING) + columns[:, None, :]
+        images = padded.gather(2, pixels.view(count, 1, -1).expand(-1, channels, -1)).view(images.shape)
+        mean, std = self.mean.to(images.device), self.std.to(images.device)
         # the default dtype: float32, unless a run changes it (benchmarks/float64.py)
-        return (image.to(torch.get_default_dtype()) / 255 - self.mean) / self.std, self.labels[index]
+        return (images.to(torch.get_default_dtype()) / 255 - mean) / std, labels
+
+
+class BatchLoader:
+    """A `DataLoader` for an `ImageDataset` that cuts whole batches: the indices of a batch (from
+    `sampler`, or in order; or each list of `batch_sampler`) gather uint8 images in one operation, the
+    batch crosses to `device` as uint8 (a quarter of float32's bytes), and is augmented and normalised
+    there in a few tensor operations, instead of sample by sample in `__getitem__` and a collate."""
+
+    def __init__(self, dataset, batch_size=None, sampler=None, batch_sampler=None, drop_last=False,
+                 device="cpu", num_workers=0):
+        self.images = dataset.dataset if isinstance(dataset, Subset) else dataset  # its `prepare`
+        self.device = device = torch.device(device)
+        if batch_sampler is None:
+            batch_sampler = BatchSampler(sampler or SequentialSampler(dataset), batch_size, drop_last)
+        # batch_size=None: the loader hands each list of indices to the data set whole. Its own generator:
+        # otherwise every epoch's iterator draws a seed from the global RNG, and a resumed run's random
+        # numbers would no longer match an uninterrupted run's.
+        self.loader = DataLoader(dataset, batch_size=None, sampler=batch_sampler, num_workers=num_workers,
+                                 pin_memory=device.type == "cuda", generator=torch.Generator().manual_seed(0))
+
+    def __len__(self):
+        return len(self.loader)
+
+    def __iter__(self):
+        for batch in self.loader:
+            # Pinned memory (on a GPU) lets the copies run while the GPU computes.
+            yield self.images.prepare(*(tensor.to(self.device, non_blocking=True) for tensor in batch))
 
 
 class EpochShuffleSampler(Sampler):

@@ -47,6 +47,13 @@ def _positive_float(text):
     return value
 
 
+def _unit_fraction(text):
+    value = float(text)
+    if not 0 <= value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 0 and less than 1, got {text}")
+    return value
+
+
 def build_parser(script_file, description, *, epochs, batch_size, lr):
     """A parser holding the flags that every step has; a step adds its own before parsing."""
     script = os.path.splitext(os.path.basename(script_file))[0]
@@ -90,6 +97,18 @@ def add_norm_argument(parser):
     parser.add_argument("--norm", choices=models.NORMS, default="batch",
                         help="batch: BatchNorm (faster to train); group: GroupNorm, whose result does not depend "
                              "on how the batch is split across processes (docs/parity.md)")
+
+
+def add_cifar10_arguments(parser):
+    """The CIFAR-10 steps' model and recipe flags. The defaults keep the CPU tour quick; the recipe of
+    docs/performance.md changes them on a GPU."""
+    add_norm_argument(parser)
+    parser.add_argument("--width", type=positive_int, default=32,
+                        help="ResNet-9's channels in its first stage: 32 (half the original), 64 (the original)")
+    parser.add_argument("--label-smoothing", type=_unit_fraction, default=0.0,
+                        help="the weight of the uniform distribution mixed into each training target")
+    parser.add_argument("--tta", action="store_true",
+                        help="test-time augmentation: evaluate on each image and its mirror image")
 
 
 def add_dropout_argument(parser):

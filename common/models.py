@@ -79,6 +79,13 @@ class MnistCNN(nn.Module):
         return self.fc2(self.dropout2(x))  # logits (the example's log_softmax is inside F.cross_entropy)
 
 
+def predict(model, images, flip=False):
+    """The model's logits; with `flip`, the mean of the logits of the images and of their mirror images
+    (test-time augmentation: training flips the images, so the mirror image is as good a view)."""
+    logits = model(images)
+    return (logits + model(images.flip(-1))) / 2 if flip else logits
+
+
 def count_parameters(model):
     return sum(parameter.numel() for parameter in model.parameters())
 

@@ -12,7 +12,8 @@ from launch import ON_GPU
 from common import data, models
 
 METRIC_KEYS = {"script", "data", "device", "amp", "world_size", "global_batch_size", "steps", "epochs_completed",
-               "train_loss", "test_loss", "test_accuracy", "test_samples", "samples_per_second", "wall_seconds"}
+               "train_loss", "test_loss", "test_accuracy", "test_samples", "samples_per_second", "wall_seconds",
+               "history"}
 
 
 def check_ok(result):
@@ -76,6 +77,10 @@ def check_smoke_run(output_dir, script, world_size, amp="none", model_class=mode
     assert metrics["test_loss"] < 0.9 * math.log(10)
     assert metrics["train_loss"] < math.log(10)
     assert metrics["samples_per_second"] > 0
+    # One epoch begun (--max-steps ends it early): one entry, the run's final figures.
+    last_epoch = metrics["history"][-1]
+    assert len(metrics["history"]) == 1 and last_epoch["step"] == SMOKE_STEPS
+    assert (last_epoch["test_accuracy"], last_epoch["train_loss"]) == (metrics["test_accuracy"], metrics["train_loss"])
     # A plain fp32 state_dict (no "module." prefix, no half-precision copy) that loads on the CPU.
     state = load_state(Path(output_dir) / "model.pt")
     assert all(tensor.dtype == torch.float32 for tensor in state.values() if tensor.is_floating_point())

@@ -58,6 +58,44 @@ def test_augmentation_depends_on_seed_epoch_and_index_only(synthetic):
     assert not all(torch.equal(a, b) for a, b in zip(first, other_epoch, strict=True))
 
 
+def prepared_one_by_one(dataset, index):
+    """What the pipeline did sample by sample before it worked on whole batches: pad by 4, crop the
+    shifted 32x32 window, flip, normalise. The batched pipeline must give exactly this."""
+    image = dataset.images[index]
+    top, left = dataset.shifts[index].tolist()
+    image = torch.nn.functional.pad(image, [4] * 4)[:, top:top + 32, left:left + 32]
+    if dataset.flips[index]:
+        image = image.flip(-1)
+    return (image.to(torch.float32) / 255 - dataset.mean[0]) / dataset.std[0]
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_batches_are_the_samples_prepared_one_by_one(synthetic, num_workers):
+    train_set, test_set = synthetic
+    epoch, batch_size = 3, 64
+    train_set.set_epoch(epoch)
+    sampler = data.EpochShuffleSampler(train_set, seed=0)
+    sampler.set_epoch(epoch)
+    order = list(sampler)
+    # Batches that mix shifts and flips: a gather that mixed up images would show.
+    assert len(train_set.shifts[order[:batch_size]].unique(dim=0)) > 20 and 0 < train_set.flips.float().mean() < 1
+    loader = data.BatchLoader(train_set, batch_size, sampler=sampler, drop_last=True, num_workers=num_workers)
+    assert len(loader) == len(train_set) // batch_size
+    for step, (images, labels) in enumerate(loader):
+        batch = order[step * batch_size:(step + 1) * batch_size]
+        assert torch.equal(images, torch.stack([prepared_one_by_one(train_set, i) for i in batch]))
+        assert torch.equal(labels, train_set.labels[batch])
+    # The test set: in order, unaugmented, the last batch short; a slice of it through a Subset.
+    images = torch.cat([images for images, _ in data.BatchLoader(test_set, batch_size)])
+    assert torch.equal(images, (test_set.images / 255 - test_set.mean) / test_set.std)
+    shard = torch.utils.data.Subset(test_set, range(1, len(test_set), 3))
+    labels = torch.cat([labels for _, labels in data.BatchLoader(shard, batch_size, num_workers=num_workers)])
+    assert torch.equal(labels, test_set.labels[1::3])
+    # One sample at a time, for a classic DataLoader.
+    image, label = train_set[order[5]]
+    assert torch.equal(image, prepared_one_by_one(train_set, order[5])) and label == train_set.labels[order[5]]
+
+
 def test_array_layout_loads_real_images(tmp_path):
     rng = np.random.default_rng(0)
     for name, count in (("train", 50), ("test", 7)):

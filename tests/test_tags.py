@@ -16,7 +16,7 @@ TAG = re.compile(r"\[(\d\d)\]")
 
 # Calls that are each step's lesson: `grep` of the step's tag must print them.
 LESSONS = {
-    "02": ["torch.device(", ".to(device", "torch.autocast(", "GradScaler(", "scaler.scale(loss).backward()"],
+    "02": ["torch.device(", "torch.autocast(", "GradScaler(", "scaler.scale(loss).backward()"],
     "03": ["nn.DataParallel(", "model.module.state_dict()"],
     "04": ['for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE")', "torch.cuda.set_device(",
            "dist.init_process_group(", "DistributedSampler(", "sampler.set_epoch(", "DistributedDataParallel(",
