@@ -56,11 +56,50 @@ def torchrun(nproc, script, *args, options=()):
             *map(str, args)]
 
 
+def torchrun_nodes(nnodes, nproc, script, *args, master_addr="127.0.0.1", rdzv_id=None, node_addrs=None):
+    """torchrun's command line on each of `nnodes` machines ("nodes") of one job, node 0's first
+    (docs/multi-node.md): a static master, node 0 at `master_addr`; or, given `rdzv_id`, the c10d
+    rendezvous, whose store node 0 hosts there and which hands out the node ranks itself.
+    `node_addrs`: each node's own address, for machines whose host name does not resolve to it (network
+    namespaces): with c10d, node 0 is then told that it hosts the store, and each node which address
+    to give its workers."""
+    port = free_port()
+    commands = []
+    for node in range(nnodes):
+        if rdzv_id is None:
+            options = [f"--node_rank={node}", f"--master_addr={master_addr}", f"--master_port={port}"]
+        else:
+            options = ["--rdzv-backend=c10d", f"--rdzv-endpoint={master_addr}:{port}", f"--rdzv-id={rdzv_id}"]
+            if node_addrs:
+                options += [*(["--rdzv-conf=is_host=1"] if node == 0 else []), f"--local-addr={node_addrs[node]}"]
+        commands.append([str(BIN / "torchrun"), f"--nnodes={nnodes}", f"--nproc_per_node={nproc}", *options,
+                         str(script), *map(str, args)])
+    return commands
+
+
+def legacy_launch(nproc, script, *args):
+    """The launcher before torchrun, `python -m torch.distributed.launch` (deprecated): it passes the local
+    rank as an argument, --local-rank=N."""
+    return [sys.executable, "-m", "torch.distributed.launch", f"--nproc_per_node={nproc}",
+            f"--master_port={free_port()}", str(script), *map(str, args)]
+
+
 def deepspeed(nproc, script, *args, port=None):
     """The deepspeed launcher; without GPUs --num_gpus is the number of processes. A free port instead of
     the launcher's fixed default (29500), so that concurrent jobs cannot collide."""
     return [str(BIN / "deepspeed"), f"--num_gpus={nproc}", f"--master_port={port or free_port()}", str(script),
             *map(str, args)]
+
+
+def deepspeed_nodes(hostfile, script, *args, master_addr="127.0.0.1"):
+    """The deepspeed launcher's command line on each machine of `hostfile`, started there by hand
+    (docs/multi-node.md). Never one without --no_ssh and --master_addr: the launcher would reach the
+    hosts, or ask the first one for its address, over ssh."""
+    nnodes = sum(1 for line in Path(hostfile).read_text().splitlines() if line.split("#")[0].strip())
+    port = free_port()
+    return [[str(BIN / "deepspeed"), f"--hostfile={hostfile}", "--no_ssh", f"--node_rank={node}",
+             f"--master_addr={master_addr}", f"--master_port={port}", str(script), *map(str, args)]
+            for node in range(nnodes)]
 
 
 def accelerate_launch(nproc, script, *args, config_precision=ON_GPU):

@@ -4,6 +4,7 @@ tests' short runs."""
 import os
 import signal
 import subprocess
+import tempfile
 import time
 from pathlib import Path
 
@@ -114,3 +115,58 @@ def run_job(command, timeout=180, env=None, poll=None, more_processes_than_gpus=
         raise
     stdout, stderr = _kill_tree(process)
     pytest.fail(f"hung: killed after {timeout}s: {' '.join(map(str, command))}\n{stdout[-3000:]}\n{stderr[-3000:]}")
+
+
+def kill_node(process):
+    """SIGKILL a launcher and every process below it at once, as when its machine dies."""
+    for pid in [process.pid, *_descendants(process.pid)]:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def run_nodes(commands, timeout=180, envs=None, poll=None):
+    """Run the launchers of one job's nodes (one command each) side by side in the repository root, as if
+    on machines of their own; returns each node's CompletedProcess once every node has exited. A job that
+    outlasts `timeout` is killed, every node's processes with it, and fails the test.
+
+    `envs`: each node's extra environment. `poll(processes)`, if given, is called about every 0.1 s while
+    the nodes run (to inject a fault)."""
+    if ON_GPU:
+        pytest.skip("nodes on one machine would share its GPUs, and NCCL takes one process per GPU")
+    processes, outputs = [], []
+    for command, node_env in zip(commands, envs or [None] * len(commands), strict=True):
+        # Files, not pipes: nobody reads a node's output while waiting for another's, and a full pipe stalls.
+        stdout, stderr = (tempfile.TemporaryFile("w+", encoding="utf-8", errors="replace") for _ in range(2))
+        outputs.append((stdout, stderr))
+        processes.append(subprocess.Popen(command, cwd=ROOT, env=environment(node_env), stdout=stdout, stderr=stderr,
+                                          start_new_session=True))
+
+    def completed(kill=False):
+        results = []
+        for process, files in zip(processes, outputs, strict=True):
+            if kill:
+                _kill_tree(process)
+            texts = []
+            for file in files:
+                file.seek(0)
+                texts.append(file.read())
+                file.close()
+            results.append(subprocess.CompletedProcess(process.args, process.wait(), *texts))
+        return results
+
+    deadline = time.monotonic() + timeout
+    try:
+        while time.monotonic() < deadline:
+            if all(process.poll() is not None for process in processes):
+                return completed()
+            if poll:
+                poll(processes)
+            time.sleep(0.1)
+    except BaseException:  # a failed check in `poll`, or Ctrl-C: leave nothing running
+        completed(kill=True)
+        raise
+    report = "\n".join(f"node {node}:\n{result.stdout[-2000:]}\n{result.stderr[-2000:]}"
+                       for node, result in enumerate(completed(kill=True)))
+    pytest.fail(f"hung: killed after {timeout}s: {' '.join(map(str, commands[0]))}\n{report}")

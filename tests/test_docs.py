@@ -23,11 +23,15 @@ PAGES = {"README.md": README,
          **{f"docs/{path.name}": path.read_text() for path in sorted((ROOT / "docs").glob("*.md"))}}
 STEP_SCRIPTS = sorted(SCRIPTS.values())
 # The steps and the standalone scripts beside them: their docstrings' commands and their arguments are checked.
-ROOT_SCRIPTS = [*STEP_SCRIPTS, "ddp_from_scratch.py"]
+ROOT_SCRIPTS = [*STEP_SCRIPTS, "ddp_from_scratch.py", "init_methods.py"]
 COMMAND_STARTS = ("python", "torchrun", "deepspeed", "accelerate", "bash", "grep ", "CUDA_VISIBLE_DEVICES",
-                  "OMP_NUM_THREADS", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE", ".venv/bin/python")
+                  "OMP_NUM_THREADS", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE", ".venv/bin/python", "sbatch ",
+                  "GLOO_SOCKET_IFNAME")
 # Scripts that run the step given after them: the step's arguments are what to check.
 WRAPPERS = ("benchmarks/float64.py", "benchmarks/nondeterministic.py")
+# Slurm job scripts (slurm/): the step each runs, which gets the arguments after the job script's name.
+JOB_SCRIPTS = {f"slurm/{path.name}": re.search(r"\b0\d_\w+\.py\b", path.read_text()).group(0)
+               for path in sorted((ROOT / "slurm").glob("*.sbatch"))}
 # Files that the runs write, not files of the repository.
 OUTPUTS = {"metrics.json"}
 README_WORDS = 2500
@@ -74,7 +78,7 @@ def script_and_arguments(command):
     """The repository file that a command runs (the step, behind a wrapper) and the arguments it passes to it."""
     words = shlex.split(command)
     for index, word in enumerate(words):
-        if word.endswith((".py", ".sh")) and not (word in WRAPPERS and index + 1 < len(words)):
+        if word.endswith((".py", ".sh", ".sbatch")) and not (word in WRAPPERS and index + 1 < len(words)):
             return word, words[index + 1:]
     return None, []
 
@@ -102,6 +106,7 @@ def test_every_command_runs_a_file_of_the_repository_with_valid_arguments(source
     if script is None:  # e.g. `python -m pytest`, a launcher's own command
         return
     assert (ROOT / script).is_file(), f"{source}: {command}: no {script}"
+    script = JOB_SCRIPTS.get(script, script)
     if script in ROOT_SCRIPTS or script.startswith("benchmarks/") and script != "benchmarks/launch.py":
         # Placeholders such as N or HOST sit in the launchers' options, never in the scripts'. The
         # commands for GPUs are parsed as on a GPU machine (where --amp fp16 is accepted).
@@ -123,7 +128,7 @@ def test_ci_runs_the_readme_test_command():
 
 @pytest.mark.parametrize("page", PAGES)
 def test_file_names_exist(page):
-    names = set(re.findall(r"`([\w./-]+\.(?:py|json|yaml|sh|txt|toml|md))`", PAGES[page])) - OUTPUTS
+    names = set(re.findall(r"`([\w./-]+\.(?:py|json|yaml|yml|sh|txt|toml|md|sbatch))`", PAGES[page])) - OUTPUTS
     missing = sorted(name for name in names if not (ROOT / name).exists())
     assert not missing
 
