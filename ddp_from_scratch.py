@@ -221,7 +221,7 @@ def main():
     scheduler = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=args.lr, total_steps=total_steps)
     last_step = min(args.max_steps, total_steps) if args.max_steps else total_steps
 
-    step, meter, start_time = 0, utils.Throughput(), time.perf_counter()
+    step, meter, start_time, history = 0, utils.Throughput(), time.perf_counter(), []
     all_reduces = collections.Counter()  # {n: how many optimizer steps launched n all-reduces}
     for epoch in range(args.epochs):
         sampler.set_epoch(epoch)
@@ -232,6 +232,8 @@ def main():
         meter.stop(steps * args.batch_size)
         step += steps
         test_loss, test_accuracy, test_samples = evaluate(model, test_loader, device)
+        history.append({"step": step, "elapsed_seconds": time.perf_counter() - start_time, "train_loss": train_loss,
+                        "test_loss": test_loss, "test_accuracy": test_accuracy})
         distributed.print0(f"epoch {epoch + 1}/{args.epochs}  step {step}  train_loss {train_loss:.4f}  "
                            f"test_loss {test_loss:.4f}  test_accuracy {test_accuracy:.4f}  "
                            f"samples/s {meter.samples_per_second:.1f}  steps by all-reduces {dict(all_reduces)}")
@@ -244,6 +246,7 @@ def main():
         "steps": step, "epochs_completed": step // len(train_loader), "train_loss": train_loss,
         "test_loss": test_loss, "test_accuracy": test_accuracy, "test_samples": test_samples,
         "samples_per_second": meter.samples_per_second, "wall_seconds": time.perf_counter() - start_time,
+        "history": history,
         "ddp": args.ddp, "gradient_accumulation_steps": accumulation, "bucket_cap_mb": args.bucket_cap_mb,
         "buckets": len(model.buckets) if args.ddp == "scratch" else None,  # torch's DDP keeps its own in C++
         "all_reduces": model.all_reduces, "steps_by_all_reduces": dict(sorted(all_reduces.items())),
