@@ -133,7 +133,8 @@ def train(args):
         url = f"file://{init_file}"
         dist.init_process_group(backend, init_method=url, rank=args.rank, world_size=args.world_size, timeout=TIMEOUT)
     rank, world_size = dist.get_rank(), dist.get_world_size()
-    print(f"rank {rank} of {world_size} joined through {url}", flush=True)
+    # One write per line: the processes share the terminal, and two lines written piecewise can interleave.
+    print(f"rank {rank} of {world_size} joined through {url}\n", end="", flush=True)
 
     # From here on, 04 (docs/ddp.md). One process downloads: started by hand, the processes cannot know
     # which of them share a machine (on several, download into a shared --data-dir beforehand).
