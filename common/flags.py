@@ -100,8 +100,8 @@ def add_norm_argument(parser):
 
 
 def add_cifar10_arguments(parser):
-    """The CIFAR-10 steps' model and recipe flags. The defaults keep the CPU tour quick; the recipe of
-    docs/performance.md changes them on a GPU."""
+    """The CIFAR-10 steps' model and recipe flags (docs/data-and-model.md). The defaults keep the CPU tour
+    quick."""
     add_norm_argument(parser)
     parser.add_argument("--width", type=positive_int, default=32,
                         help="ResNet-9's channels in its first stage: 32 (half the original), 64 (the original)")

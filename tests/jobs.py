@@ -48,14 +48,24 @@ def _descendants(pid):
     return found
 
 
+def _tree(process):
+    """`process` and every process below it."""
+    return [process.pid, *_descendants(process.pid)]
+
+
+def _signal(pids, sig):
+    for pid in pids:
+        try:
+            os.kill(pid, sig)
+        except ProcessLookupError:
+            pass
+
+
 def _kill_tree(process):
-    pids = [process.pid, *_descendants(process.pid)]
+    # The tree as it is now: once the launcher is gone, its workers would no longer be found below it.
+    pids = _tree(process)
     for sig in (signal.SIGTERM, signal.SIGKILL):
-        for pid in pids:
-            try:
-                os.kill(pid, sig)
-            except ProcessLookupError:
-                pass
+        _signal(pids, sig)
         try:
             return process.communicate(timeout=10)
         except subprocess.TimeoutExpired:
@@ -119,11 +129,7 @@ def run_job(command, timeout=180, env=None, poll=None, more_processes_than_gpus=
 
 def kill_node(process):
     """SIGKILL a launcher and every process below it at once, as when its machine dies."""
-    for pid in [process.pid, *_descendants(process.pid)]:
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+    _signal(_tree(process), signal.SIGKILL)
 
 
 def run_nodes(commands, timeout=180, envs=None, poll=None):
