@@ -52,6 +52,8 @@ def run(main):
     waiting in a collective. torchrun (and `accelerate launch`, which runs it) collects every worker's
     error through `record` and names the first in its failure table, so under torchrun the workers
     print nothing. Without torchrun, the first process of each machine prints the line.
+
+    A process that gets this far ends at once, without Python's interpreter shutdown: see `_exit`.
     """
     try:
         record(main, error_handler=_OneLineErrorHandler())()
@@ -60,7 +62,24 @@ def run(main):
             print(_error_line(error), file=sys.stderr, flush=True)
         if dist.is_available() and dist.is_initialized():
             dist.destroy_process_group()
-        sys.exit(2)
+        _exit(2)
+    _exit(0)
+
+
+def _exit(status):
+    """End the process now, with `status`, skipping the interpreter's shutdown.
+
+    A process group outlives `destroy_process_group()` whenever DDP or DeepSpeed still holds it (torch
+    2.14.1): its gloo threads are still there when main() returns, and one may still be releasing the
+    tensors of the last collective. Python's shutdown stops any such thread that asks for the GIL, by
+    unwinding it through C++ code that may not be unwound: the process aborts ("terminate called without
+    an active exception", SIGABRT) after a run that succeeded. Nothing is lost by skipping the shutdown:
+    every file the scripts write is complete and closed when main() returns, and the output is flushed
+    here. multiprocessing ends the processes it starts the same way.
+    """
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)
 
 
 def seed_everything(seed):
