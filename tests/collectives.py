@@ -7,7 +7,8 @@ the step itself does) is wrapped to note its name, and the engine's forward, bac
 wrapped to note which of them is running. Each rank writes `collectives-rank{RANK}.json` into the
 directory that COLLECTIVES_DIR names: one entry per training micro-batch,
 {"boundary": bool, "forward": [names], "backward": [names], "step": [names]}, where `boundary` says
-whether that micro-batch ended an optimizer step.
+whether that micro-batch ended an optimizer step. The file is rewritten after each micro-batch: the
+step's process ends in `utils.run`, which leaves no code after it a chance to run.
 """
 
 import functools
@@ -53,6 +54,9 @@ def in_phase(name, method):
             return method(engine, *args, **kwargs)
         finally:
             phase = None
+            if name == "step":
+                output = Path(os.environ["COLLECTIVES_DIR"]) / f"collectives-rank{os.environ.get('RANK', '0')}.json"
+                output.write_text(json.dumps(micro_batches))
     return wrapper
 
 
@@ -70,5 +74,3 @@ if __name__ == "__main__":
     for name in ("forward", "backward", "step"):
         setattr(DeepSpeedEngine, name, in_phase(name, getattr(DeepSpeedEngine, name)))
     run_step_here(sys.argv[1:])
-    output = Path(os.environ["COLLECTIVES_DIR"]) / f"collectives-rank{os.environ.get('RANK', '0')}.json"
-    output.write_text(json.dumps(micro_batches))
