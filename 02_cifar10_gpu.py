@@ -12,7 +12,6 @@ Launch:
 Next: 03_cifar10_dataparallel.py uses every GPU of the machine from this one process.
 """
 
-import itertools
 import os
 import time
 
@@ -111,7 +110,7 @@ def train_one_epoch(args, model, loader, optimizer, scheduler,
     done = step - epoch * len(loader)  # batches of this epoch already trained (resuming mid-epoch)
     end = min(len(loader), done + last_step - step)
     loss_sum = torch.zeros((), device=device)
-    progress = tqdm(itertools.islice(loader, done, end), total=end - done,
+    progress = tqdm(loader.batches(done, end), total=end - done,
                     desc=f"epoch {epoch + 1}", leave=False)
     for images, labels in progress:
         with torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None):  # [02]
@@ -123,9 +122,12 @@ def train_one_epoch(args, model, loader, optimizer, scheduler,
         scheduler.step()
         step += 1
         loss_sum += loss.detach()
-        if step % 10 == 0:
-            progress.set_postfix(loss=f"{loss.item():.3f}")
-        if args.save_every and (step % args.save_every == 0 or step == last_step):
+        checkpoint_due = args.save_every and (step % args.save_every == 0 or step == last_step)
+        if step % 10 == 0 or step == last_step or checkpoint_due:  # reading the loss waits for the step to finish
+            logged_loss = loss.item()
+            utils.check_finite(logged_loss, step)  # a diverged run stops here, before it saves its NaN weights
+            progress.set_postfix(loss=f"{logged_loss:.3f}")
+        if checkpoint_due:
             save_checkpoint(args, model, optimizer, scheduler, scaler, epoch, step)  # [02]
     return loss_sum.item() / max(end - done, 1), step
 

@@ -12,7 +12,6 @@ Next: 05_cifar10_deepspeed.py hands the optimizer step, precision and sharding t
 """
 
 import datetime  # [04]
-import itertools
 import os
 import time
 
@@ -47,18 +46,19 @@ def main():
         utils.use_deterministic_kernels()  # [02] or --resume drifts from an uninterrupted run; ~6% slower
     else:  # [02]
         distributed.print0("no GPU found: training on the CPU")  # [04]
-    # A short timeout: a rank that dies, or waits for a peer that never comes, fails the job in
-    # minutes instead of after gloo's default 30.
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=datetime.timedelta(minutes=5))  # [04]
     amp_dtype = flags.AMP_DTYPES[args.amp]  # [02] None: plain fp32
     if args.batch_size % world_size:  # [04] --batch-size is global: each process takes an equal share
         raise utils.UsageError(f"--batch-size {args.batch_size} is not divisible "  # [04]
                                f"by the world size {world_size}")  # [04]
     batch_size = args.batch_size // world_size  # [04]
 
-    if local_rank == 0 and not args.synthetic:  # [04] one download per machine, never two into one directory
+    # Before the process group: a download can take longer than the group's timeout. Every process calls it;
+    # one downloads while the others on its machine wait for the files (a lock in --data-dir).
+    if not args.synthetic:
         data.download_cifar10(args.data_dir)
-    dist.barrier()  # [04] the other ranks wait here until the files are complete
+    # A short timeout: a rank that dies, or waits for a peer that never comes, fails the job in
+    # minutes instead of after gloo's default 30.
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=datetime.timedelta(minutes=5))  # [04]
     train_set, test_set = data.load_cifar10(args.data_dir, args.synthetic, seed=args.seed)
     if args.batch_size > len(train_set):
         raise utils.UsageError(f"--batch-size {args.batch_size} is larger than the training set ({len(train_set)})")
@@ -143,7 +143,7 @@ def train_one_epoch(args, model, loader, optimizer, scheduler,
     done = step - epoch * len(loader)  # batches of this epoch already trained (resuming mid-epoch)
     end = min(len(loader), done + last_step - step)
     loss_sum = torch.zeros((), device=device)
-    progress = tqdm(itertools.islice(loader, done, end), total=end - done,
+    progress = tqdm(loader.batches(done, end), total=end - done,
                     desc=f"epoch {epoch + 1}", leave=False, disable=dist.get_rank() != 0)  # [04]
     for images, labels in progress:
         with torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None):  # [02]
@@ -155,10 +155,14 @@ def train_one_epoch(args, model, loader, optimizer, scheduler,
         scheduler.step()
         step += 1
         loss_sum += loss.detach()
-        if step % 10 == 0:
-            # The mean over ranks: every rank must run the all-reduce, not only rank 0, which shows it.
-            progress.set_postfix(loss=f"{distributed.all_reduce_mean(loss).item():.3f}")  # [04]
-        if args.save_every and (step % args.save_every == 0 or step == last_step) and dist.get_rank() == 0:  # [04]
+        checkpoint_due = args.save_every and (step % args.save_every == 0 or step == last_step)
+        if step % 10 == 0 or step == last_step or checkpoint_due:  # reading the loss waits for the step to finish
+            # The mean over ranks: every rank must run the all-reduce, not only rank 0, which shows it. Every
+            # rank gets the same value: a diverged run stops on all of them at the same step.
+            logged_loss = distributed.all_reduce_mean(loss).item()  # [04]
+            utils.check_finite(logged_loss, step)  # a diverged run stops here, before it saves its NaN weights
+            progress.set_postfix(loss=f"{logged_loss:.3f}")
+        if checkpoint_due and dist.get_rank() == 0:  # [04]
             save_checkpoint(args, model, optimizer, scheduler, scaler, epoch, step)  # [02]
     return distributed.all_reduce_mean(loss_sum).item() / max(end - done, 1), step  # [04]
 
@@ -167,10 +171,13 @@ def train_one_epoch(args, model, loader, optimizer, scheduler,
 def evaluate(model, loader, device, amp_dtype, tta):  # [02]
     """Mean loss and accuracy over the whole test set; returns them and the number of samples."""
     model.eval()
+    # The plain module, with rank 0's BatchNorm statistics (the ones model.pt keeps). DDP's forward would
+    # broadcast them itself, in the first test batch: a rank with no test batch would never join it, and hang.
+    distributed.broadcast_buffers(model.module)  # [04]
     totals = torch.zeros(3, dtype=torch.float64, device=device)  # loss sum, correct, samples
     for images, labels in loader:
         with torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None):  # [02]
-            logits = models.predict(model, images, flip=tta)  # [02]
+            logits = models.predict(model.module, images, flip=tta)  # [04]
         totals[0] += F.cross_entropy(logits.float(), labels, reduction="sum")
         totals[1] += (logits.argmax(dim=1) == labels).sum()
         totals[2] += len(labels)

@@ -17,7 +17,7 @@ Next: 06_mnist_accelerate.py writes the loop once for any launcher, with Acceler
 """
 
 import datetime  # [04]
-import itertools
+import itertools  # [05]
 import os
 import time
 
@@ -35,7 +35,7 @@ from common import data, distributed, flags, models, utils  # [04]
 def parse_args():
     parser = flags.build_parser(__file__, __doc__, epochs=10, batch_size=256, lr=0.2)
     flags.add_cifar10_arguments(parser)
-    flags.add_amp_argument(parser)  # [02]
+    flags.add_amp_argument(parser, fp16_cpu_refusal="DeepSpeed has no fp16 on the CPU")  # [05]
     parser.add_argument("--zero-stage", type=int, choices=[0, 1, 2, 3], help="default: the config's")  # [05]
     parser.add_argument("--gradient_accumulation_steps", "--gradient-accumulation-steps", metavar="N",  # [05]
                         type=flags.positive_int, help="micro-batches per optimizer step (default: the config)")  # [05]
@@ -59,9 +59,6 @@ def main():
         utils.use_deterministic_kernels()  # [02] or --resume drifts from an uninterrupted run; ~6% slower
     else:  # [02]
         distributed.print0("no GPU found: training on the CPU")  # [04]
-    # A short timeout: a rank that dies, or waits for a peer that never comes, fails the job in
-    # minutes instead of after gloo's default 30.
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=datetime.timedelta(minutes=5))  # [04]
     # DeepSpeed's fp16 and bf16 turn the weights themselves into 16 bits (the optimizer keeps fp32
     # master copies), instead of autocast: the inputs are cast to match (without --amp, to the weights' default dtype).
     amp_dtype = flags.AMP_DTYPES[args.amp] or torch.get_default_dtype()  # [05]
@@ -75,9 +72,13 @@ def main():
                                f"{world_size} times --gradient_accumulation_steps {accumulation_steps}")  # [05]
     batch_size //= accumulation_steps  # [05] the micro-batch: one forward and backward pass on one process
 
-    if local_rank == 0 and not args.synthetic:  # [04] one download per machine, never two into one directory
+    # Before the process group: a download can take longer than the group's timeout. Every process calls it;
+    # one downloads while the others on its machine wait for the files (a lock in --data-dir).
+    if not args.synthetic:
         data.download_cifar10(args.data_dir)
-    dist.barrier()  # [04] the other ranks wait here until the files are complete
+    # A short timeout: a rank that dies, or waits for a peer that never comes, fails the job in
+    # minutes instead of after gloo's default 30.
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=datetime.timedelta(minutes=5))  # [04]
     train_set, test_set = data.load_cifar10(args.data_dir, args.synthetic, seed=args.seed)
     if args.batch_size > len(train_set):
         raise utils.UsageError(f"--batch-size {args.batch_size} is larger than the training set ({len(train_set)})")
@@ -163,14 +164,20 @@ def main():
         "wall_seconds": time.perf_counter() - start_time,
         "history": history,
     }
+    # model.pt holds fp32 weights. With --amp the module's copies are 16-bit: the fp32 masters are in the
+    # optimizer wrapper. Without ZeRO, gathering them is a collective under bf16: every rank takes part.
+    if model.zero_optimization_stage() == 0 and args.amp != "none":  # [05]
+        master_weights = fp32_master_weights(model)  # [05]
     if rank == 0:  # [04] one writer. No collective in here: the other ranks would never join it.
-        # model.pt holds fp32 weights. Under ZeRO they exist only as the ranks' shards of the optimizer
-        # state (the module's copies are 16-bit with --amp, and empty under ZeRO-3): DeepSpeed's
-        # zero_to_fp32, its offline converter, reassembles them from the final checkpoint.
+        # Under ZeRO the fp32 weights exist only as the ranks' shards of the optimizer state (the module's
+        # copies are empty under ZeRO-3): DeepSpeed's zero_to_fp32, its offline converter, reassembles them
+        # from the final checkpoint.
         if model.zero_optimization_stage() > 0:  # [05]
             state_dict = get_fp32_state_dict_from_zero_checkpoint(os.path.join(args.output_dir, "checkpoints"))  # [05]
         else:  # [05] no ZeRO: every rank holds the whole model, in model.module
             state_dict = model.module.state_dict()  # [05]
+            if args.amp != "none":  # [05]
+                state_dict.update(master_weights)  # [05]
         state_dict = {name: t.float() if t.is_floating_point() else t for name, t in state_dict.items()}  # [05]
         utils.save_atomic(state_dict, os.path.join(args.output_dir, "model.pt"))  # [05]
         utils.write_json(metrics, os.path.join(args.output_dir, "metrics.json"))  # [04]
@@ -186,7 +193,7 @@ def train_one_epoch(args, model, loader, accumulation_steps, steps_per_epoch,  #
     done = (step - epoch * steps_per_epoch) * accumulation_steps  # [05] micro-batches trained (resuming mid-epoch)
     end = min(steps_per_epoch * accumulation_steps, done + (last_step - step) * accumulation_steps)  # [05]
     loss_sum = torch.zeros((), device=device)
-    progress = tqdm(itertools.islice(loader, done, end), total=end - done,
+    progress = tqdm(loader.batches(done, end), total=end - done,
                     desc=f"epoch {epoch + 1}", leave=False, disable=dist.get_rank() != 0)  # [04]
     for images, labels in progress:
         images = images.to(amp_dtype)  # [05]
@@ -199,11 +206,15 @@ def train_one_epoch(args, model, loader, accumulation_steps, steps_per_epoch,  #
         if not boundary:  # [05] the first N-1 micro-batches of a step only add up gradients: no step to count
             continue  # [05]
         step += 1
-        if step % 10 == 0:
-            # The mean over ranks: every rank must run the all-reduce, not only rank 0, which shows it.
-            progress.set_postfix(loss=f"{distributed.all_reduce_mean(loss).item():.3f}")  # [04]
+        checkpoint_due = step == last_step or args.save_every and step % args.save_every == 0  # [05]
+        if step % 10 == 0 or step == last_step or checkpoint_due:  # reading the loss waits for the step to finish
+            # The mean over ranks: every rank must run the all-reduce, not only rank 0, which shows it. Every
+            # rank gets the same value: a diverged run stops on all of them at the same step.
+            logged_loss = distributed.all_reduce_mean(loss).item()  # [04]
+            utils.check_finite(logged_loss, step)  # a diverged run stops here, before it saves its NaN weights
+            progress.set_postfix(loss=f"{logged_loss:.3f}")
         # Every rank saves, its own shard. Always at the end: under ZeRO, model.pt is rebuilt from it.
-        if step == last_step or args.save_every and step % args.save_every == 0:  # [05]
+        if checkpoint_due:  # [05]
             save_checkpoint(args, model, epoch, step)  # [05]
     return distributed.all_reduce_mean(loss_sum).item() / max(end - done, 1), step  # [04]
 
@@ -214,8 +225,7 @@ def evaluate(model, loader, device, amp_dtype, tta):  # [02]
     model.eval()
     # DeepSpeed, unlike DDP, never synchronises buffers: each rank's BatchNorm statistics have followed
     # its own batches. Evaluate with rank 0's everywhere, the ones that model.pt keeps.
-    for buffer in model.module.buffers():  # [05]
-        dist.broadcast(buffer, src=0)  # [05]
+    distributed.broadcast_buffers(model.module)  # [05]
     totals = torch.zeros(3, dtype=torch.float64, device=device)  # loss sum, correct, samples
     for images, labels in loader:
         images = images.to(amp_dtype)  # [05]
@@ -226,6 +236,19 @@ def evaluate(model, loader, device, amp_dtype, tta):  # [02]
     dist.all_reduce(totals)  # [04] sums over ranks: each holds the totals of its own slice
     loss_sum, correct, samples = totals.tolist()
     return loss_sum / samples, correct / samples, int(samples)
+
+
+def fp32_master_weights(model):  # [05]
+    """{name: fp32 weight} of a model that DeepSpeed trains in 16 bits without ZeRO. bf16 partitions the
+    masters across the ranks, and `safe_get_full_fp32_param` gathers one (a collective); fp16 keeps them whole
+    on every rank, beside the 16-bit weights they belong to."""
+    optimizer = model.optimizer  # [05]
+    if hasattr(optimizer, "fp32_groups"):  # [05] fp16 with a torch optimizer: DeepSpeed's FP16_UnfusedOptimizer
+        weights, masters = itertools.chain(*optimizer.fp16_groups), itertools.chain(*optimizer.fp32_groups)  # [05]
+        masters = {id(weight): master for weight, master in zip(weights, masters, strict=True)}  # [05]
+        return {name: masters[id(weight)] for name, weight in model.module.named_parameters()}  # [05]
+    return {name: deepspeed.utils.safe_get_full_fp32_param(weight)  # [05]
+            for name, weight in model.module.named_parameters()}  # [05]
 
 
 def save_checkpoint(args, model, epoch, step):  # [05]

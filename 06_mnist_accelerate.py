@@ -12,7 +12,7 @@ Launch:
 """
 
 import datetime  # [04]
-import itertools
+import itertools  # [06]
 import os
 import time
 
@@ -29,21 +29,27 @@ from common import data, distributed, flags, models, utils  # [04]
 def parse_args():
     parser = flags.build_parser(__file__, __doc__, epochs=10, batch_size=256, lr=0.2)
     flags.add_dropout_argument(parser)  # [06]
-    flags.add_amp_argument(parser, default=flags.accelerate_launch_amp())  # [06] the launcher's, unless given
+    flags.add_amp_argument(parser, default=flags.accelerate_launch_amp(),  # [06] the launcher's, unless given
+                           fp16_cpu_refusal="Accelerate scales fp16 losses on GPUs only")  # [06]
     return parser.parse_args()
 
 
 def main():
     args = parse_args()
     utils.seed_everything(args.seed)
+    # Before the process group (the Accelerator creates it): a download can take longer than the group's
+    # timeout. Every process calls it; one downloads while the others on its machine wait for the files.
+    if not args.synthetic:  # [06]
+        data.download_mnist(args.data_dir)  # [06]
     # One object does 04's set-up under any launcher: process group, rank, world size, device.
     accelerator = Accelerator(  # [06]
         cpu=not torch.cuda.is_available(),  # [06] without it, CPU processes under torchrun would each train alone
         mixed_precision="no" if args.amp == "none" else args.amp,  # [06] autocast, and fp16's loss scaling
-        dataloader_config=DataLoaderConfiguration(split_batches=True),  # [06] the loaders yield global batches
+        # The loaders yield global batches; non_blocking: the copies to the GPU from pinned memory do not wait.
+        dataloader_config=DataLoaderConfiguration(split_batches=True, non_blocking=True),  # [06]
         kwargs_handlers=[InitProcessGroupKwargs(timeout=datetime.timedelta(minutes=5))],  # [06] 04's short timeout
     )  # [06]
-    rank, local_rank = accelerator.process_index, accelerator.local_process_index  # [06]
+    rank = accelerator.process_index  # [06]
     world_size, device = accelerator.num_processes, accelerator.device  # [06]
     if device.type == "cuda":  # [02]
         utils.use_deterministic_kernels()  # [02] or --resume drifts from an uninterrupted run; ~6% slower
@@ -53,9 +59,6 @@ def main():
         raise utils.UsageError(f"--batch-size {args.batch_size} is not divisible "  # [04]
                                f"by the world size {world_size}")  # [04]
 
-    if local_rank == 0 and not args.synthetic:  # [04] one download per machine, never two into one directory
-        data.download_mnist(args.data_dir)  # [06]
-    accelerator.wait_for_everyone()  # [06] the other processes wait here until the files are complete
     train_set, test_set = data.load_mnist(args.data_dir, args.synthetic, seed=args.seed)  # [06]
     if args.batch_size > len(train_set):
         raise utils.UsageError(f"--batch-size {args.batch_size} is larger than the training set ({len(train_set)})")
@@ -141,7 +144,9 @@ def train_one_epoch(args, model, loader, optimizer, scheduler,
     done = step - epoch * len(loader)  # batches of this epoch already trained (resuming mid-epoch)
     end = min(len(loader), done + last_step - step)
     loss_sum = torch.zeros((), device=device)
-    progress = tqdm(itertools.islice(loader, done, end), total=end - done,
+    # Resuming mid-epoch: a loader that skips the batches already trained without loading them.
+    batches = accelerator.skip_first_batches(loader, done) if done else loader  # [06]
+    progress = tqdm(itertools.islice(batches, end - done), total=end - done,  # [06]
                     desc=f"epoch {epoch + 1}", leave=False, disable=not accelerator.is_main_process)  # [06]
     for images, labels in progress:
         loss = F.cross_entropy(model(images), labels)  # [06] already on the device; autocast is in the model
@@ -151,10 +156,14 @@ def train_one_epoch(args, model, loader, optimizer, scheduler,
         scheduler.step()
         step += 1
         loss_sum += loss.detach()
-        if step % 10 == 0:
-            # The mean over ranks: every rank must run the all-reduce, not only rank 0, which shows it.
-            progress.set_postfix(loss=f"{distributed.all_reduce_mean(loss).item():.3f}")  # [04]
-        if args.save_every and (step % args.save_every == 0 or step == last_step):  # [06] on every process
+        checkpoint_due = args.save_every and (step % args.save_every == 0 or step == last_step)
+        if step % 10 == 0 or step == last_step or checkpoint_due:  # reading the loss waits for the step to finish
+            # The mean over ranks: every rank must run the all-reduce, not only rank 0, which shows it. Every
+            # rank gets the same value: a diverged run stops on all of them at the same step.
+            logged_loss = distributed.all_reduce_mean(loss).item()  # [04]
+            utils.check_finite(logged_loss, step)  # a diverged run stops here, before it saves its NaN weights
+            progress.set_postfix(loss=f"{logged_loss:.3f}")
+        if checkpoint_due:  # [06] on every process
             save_checkpoint(args, accelerator, epoch, step)  # [06]
     return distributed.all_reduce_mean(loss_sum).item() / max(end - done, 1), step  # [04]
 

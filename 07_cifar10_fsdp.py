@@ -14,7 +14,6 @@ Launch:
 
 import dataclasses  # [07]
 import datetime  # [04]
-import itertools
 import os
 import time
 
@@ -29,7 +28,6 @@ from torch.distributed.checkpoint.state_dict import (  # [07] the sharded state,
     set_state_dict,  # [07]
 )  # [07]
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard  # [07]
-from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler  # [07]
 from torch.utils.data import DistributedSampler, Subset  # [04]
 from tqdm import tqdm
 
@@ -57,18 +55,19 @@ def main():
         utils.use_deterministic_kernels()  # [02] or --resume drifts from an uninterrupted run; ~6% slower
     else:  # [02]
         distributed.print0("no GPU found: training on the CPU")  # [04]
-    # A short timeout: a rank that dies, or waits for a peer that never comes, fails the job in
-    # minutes instead of after gloo's default 30.
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=datetime.timedelta(minutes=5))  # [04]
     amp_dtype = flags.AMP_DTYPES[args.amp]  # [02] None: plain fp32
     if args.batch_size % world_size:  # [04] --batch-size is global: each process takes an equal share
         raise utils.UsageError(f"--batch-size {args.batch_size} is not divisible "  # [04]
                                f"by the world size {world_size}")  # [04]
     batch_size = args.batch_size // world_size  # [04]
 
-    if local_rank == 0 and not args.synthetic:  # [04] one download per machine, never two into one directory
+    # Before the process group: a download can take longer than the group's timeout. Every process calls it;
+    # one downloads while the others on its machine wait for the files (a lock in --data-dir).
+    if not args.synthetic:
         data.download_cifar10(args.data_dir)
-    dist.barrier()  # [04] the other ranks wait here until the files are complete
+    # A short timeout: a rank that dies, or waits for a peer that never comes, fails the job in
+    # minutes instead of after gloo's default 30.
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=datetime.timedelta(minutes=5))  # [04]
     train_set, test_set = data.load_cifar10(args.data_dir, args.synthetic, seed=args.seed)
     if args.batch_size > len(train_set):
         raise utils.UsageError(f"--batch-size {args.batch_size} is larger than the training set ({len(train_set)})")
@@ -106,8 +105,9 @@ def main():
     total_steps = args.epochs * len(train_loader)
     scheduler = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=args.lr, total_steps=total_steps)
     last_step = min(args.max_steps, total_steps) if args.max_steps else total_steps
-    # fp16: every rank must agree to skip a step whose gradients overflowed, and each sees only its shard.
-    scaler = ShardedGradScaler(device.type, enabled=args.amp == "fp16")  # [07] all-reduces the overflow check
+    # fp16: every rank must agree to skip a step whose gradients overflowed, and each sees only its shard. The
+    # gradients are DTensors, whose overflow check takes the maximum over the ranks: 04's scaler is enough.
+    scaler = torch.amp.GradScaler(device.type, enabled=args.amp == "fp16")  # [02] fp16: small gradients would underflow
 
     step, start_epoch = 0, 0
     # torchrun --max-restarts=K restarts every process after a failure: continue from the last checkpoint.
@@ -171,7 +171,7 @@ def train_one_epoch(args, model, loader, optimizer, scheduler,
     done = step - epoch * len(loader)  # batches of this epoch already trained (resuming mid-epoch)
     end = min(len(loader), done + last_step - step)
     loss_sum = torch.zeros((), device=device)
-    progress = tqdm(itertools.islice(loader, done, end), total=end - done,
+    progress = tqdm(loader.batches(done, end), total=end - done,
                     desc=f"epoch {epoch + 1}", leave=False, disable=dist.get_rank() != 0)  # [04]
     for images, labels in progress:
         loss = F.cross_entropy(model(images), labels, label_smoothing=args.label_smoothing)  # [07] FSDP casts
@@ -182,10 +182,14 @@ def train_one_epoch(args, model, loader, optimizer, scheduler,
         scheduler.step()
         step += 1
         loss_sum += loss.detach()
-        if step % 10 == 0:
-            # The mean over ranks: every rank must run the all-reduce, not only rank 0, which shows it.
-            progress.set_postfix(loss=f"{distributed.all_reduce_mean(loss).item():.3f}")  # [04]
-        if args.save_every and (step % args.save_every == 0 or step == last_step):  # [07] every rank: its own shard
+        checkpoint_due = args.save_every and (step % args.save_every == 0 or step == last_step)
+        if step % 10 == 0 or step == last_step or checkpoint_due:  # reading the loss waits for the step to finish
+            # The mean over ranks: every rank must run the all-reduce, not only rank 0, which shows it. Every
+            # rank gets the same value: a diverged run stops on all of them at the same step.
+            logged_loss = distributed.all_reduce_mean(loss).item()  # [04]
+            utils.check_finite(logged_loss, step)  # a diverged run stops here, before it saves its NaN weights
+            progress.set_postfix(loss=f"{logged_loss:.3f}")
+        if checkpoint_due:  # [07] every rank: its own shard
             save_checkpoint(args, model, optimizer, scheduler, scaler, epoch, step)  # [02]
     return distributed.all_reduce_mean(loss_sum).item() / max(end - done, 1), step  # [04]
 

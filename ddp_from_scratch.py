@@ -185,6 +185,8 @@ def main():
         distributed.require_one_gpu_per_process()
         torch.cuda.set_device(local_rank)
         utils.use_deterministic_kernels()
+    if not args.synthetic:  # before the process group, as in 04: a download can outlast its timeout
+        data.download_cifar10(args.data_dir)
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=datetime.timedelta(minutes=5))
     accumulation = args.gradient_accumulation_steps
     if args.batch_size % (world_size * accumulation):
@@ -192,9 +194,6 @@ def main():
                                f"times --gradient-accumulation-steps {accumulation}")
     batch_size = args.batch_size // world_size
 
-    if local_rank == 0 and not args.synthetic:
-        data.download_cifar10(args.data_dir)
-    dist.barrier()
     train_set, test_set = data.load_cifar10(args.data_dir, args.synthetic, seed=args.seed)
     if args.batch_size > len(train_set):
         raise utils.UsageError(f"--batch-size {args.batch_size} is larger than the training set ({len(train_set)})")

@@ -114,6 +114,8 @@ def train(args):
         # and they fight over them: 2 processes on 2 cores trained 5 to 10 times slower here.
         torch.set_num_threads(1)
     backend = "nccl" if device.type == "cuda" else "gloo"
+    if not args.synthetic:  # before the process group, as in 04: a download can outlast its timeout
+        data.download_cifar10(args.data_dir)
 
     # The lesson: the same process group, joined four ways. Every process of the job makes the same call.
     if args.init == "env":  # torchrun has set RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT: env:// reads them
@@ -136,11 +138,7 @@ def train(args):
     # One write per line: the processes share the terminal, and two lines written piecewise can interleave.
     print(f"rank {rank} of {world_size} joined through {url}\n", end="", flush=True)
 
-    # From here on, 04 (docs/ddp.md). One process downloads: started by hand, the processes cannot know
-    # which of them share a machine (on several, download into a shared --data-dir beforehand).
-    if rank == 0 and not args.synthetic:
-        data.download_cifar10(args.data_dir)
-    dist.barrier()
+    # From here on, 04 (docs/ddp.md).
     train_set, test_set = data.load_cifar10(args.data_dir, args.synthetic, seed=args.seed)
     if args.batch_size > len(train_set):
         raise utils.UsageError(f"--batch-size {args.batch_size} is larger than the training set ({len(train_set)})")

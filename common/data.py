@@ -10,9 +10,13 @@ optimizer step i are the same whatever the world size, a distributed run can be 
 single-process run, and a resumed run can pick up in the middle of an epoch.
 """
 
+import contextlib
+import fcntl
+import itertools
 import math
 import os
 import socket
+import time
 
 import numpy as np
 import torch
@@ -49,18 +53,23 @@ class ImageDataset(Dataset):
         self.labels = labels.long()
         self.mean = mean.view(1, -1, 1, 1)
         self.std = std.view(1, -1, 1, 1)
+        self._stats_on_device = {}
         self.augment = augment
         self.seed = seed
+        # The draws live in shared memory and `set_epoch` rewrites them in place: data-loader workers read
+        # them, and workers that outlive an epoch (persistent_workers=True) must see the new epoch's draws.
+        self.shifts = torch.empty(len(self), 2, dtype=torch.long).share_memory_()
+        self.flips = torch.empty(len(self), dtype=torch.bool).share_memory_()
         self.set_epoch(0)
 
     def set_epoch(self, epoch):
         if self.augment:
             generator = torch.Generator().manual_seed(self.seed * 100_003 + epoch)
-            self.shifts = torch.randint(0, 2 * _CROP_PADDING + 1, (len(self), 2), generator=generator)
-            self.flips = torch.rand(len(self), generator=generator) < 0.5
+            self.shifts.copy_(torch.randint(0, 2 * _CROP_PADDING + 1, (len(self), 2), generator=generator))
+            self.flips.copy_(torch.rand(len(self), generator=generator) < 0.5)
         else:  # the draws that change nothing: no shift from the padded image's centre, no flip
-            self.shifts = torch.full((len(self), 2), _CROP_PADDING)
-            self.flips = torch.zeros(len(self), dtype=torch.bool)
+            self.shifts.fill_(_CROP_PADDING)
+            self.flips.fill_(False)
 
     def __len__(self):
         return len(self.labels)
@@ -87,16 +96,39 @@ class ImageDataset(Dataset):
         columns = shifts[:, 1:] + torch.where(flips[:, None], columns.flip(-1), columns)
         pixels = rows[:, :, None] * (width + 2 * _CROP_PADDING) + columns[:, None, :]
         images = padded.gather(2, pixels.view(count, 1, -1).expand(-1, channels, -1)).view(images.shape)
-        mean, std = self.mean.to(images.device), self.std.to(images.device)
+        mean, std = self._stats_on(images.device)
         # the default dtype: float32, unless a run changes it (benchmarks/float64.py)
         return (images.to(torch.get_default_dtype()) / 255 - mean) / std, labels
+
+    def _stats_on(self, device):
+        """The mean and std on `device`, copied there once: on a GPU, a copy from pageable memory for every
+        batch would make the CPU wait for the GPU to finish the previous step."""
+        if device not in self._stats_on_device:
+            self._stats_on_device[device] = self.mean.to(device), self.std.to(device)
+        return self._stats_on_device[device]
+
+
+class _BatchRange(Sampler):
+    """The batches `start` to `stop` (exclusive) of `batch_sampler`: the index lists of the batches before
+    `start` are drawn (so the order stays the same), their samples are never loaded."""
+
+    def __init__(self, batch_sampler):
+        self.batch_sampler, self.start, self.stop = batch_sampler, 0, None
+
+    def __iter__(self):
+        return itertools.islice(self.batch_sampler, self.start, self.stop)
+
+    def __len__(self):
+        return len(self.batch_sampler)
 
 
 class BatchLoader:
     """A `DataLoader` for an `ImageDataset` that cuts whole batches: the indices of a batch (from
     `sampler`, or in order; or each list of `batch_sampler`) gather uint8 images in one operation, the
     batch crosses to `device` as uint8 (a quarter of float32's bytes), and is augmented and normalised
-    there in a few tensor operations, instead of sample by sample in `__getitem__` and a collate."""
+    there in a few tensor operations, instead of sample by sample in `__getitem__` and a collate.
+
+    On a GPU the next batch is copied on a stream of its own while the current one trains."""
 
     def __init__(self, dataset, batch_size=None, sampler=None, batch_sampler=None, drop_last=False,
                  device="cpu", num_workers=0):
@@ -104,19 +136,46 @@ class BatchLoader:
         self.device = device = torch.device(device)
         if batch_sampler is None:
             batch_sampler = BatchSampler(sampler or SequentialSampler(dataset), batch_size, drop_last)
+        self.batch_range = _BatchRange(batch_sampler)
         # batch_size=None: the loader hands each list of indices to the data set whole. Its own generator:
         # otherwise every epoch's iterator draws a seed from the global RNG, and a resumed run's random
-        # numbers would no longer match an uninterrupted run's.
-        self.loader = DataLoader(dataset, batch_size=None, sampler=batch_sampler, num_workers=num_workers,
-                                 pin_memory=device.type == "cuda", generator=torch.Generator().manual_seed(0))
+        # numbers would no longer match an uninterrupted run's. Persistent workers: not forked again for
+        # every epoch (the data set's draws are in shared memory, so they see each epoch's).
+        self.loader = DataLoader(dataset, batch_size=None, sampler=self.batch_range, num_workers=num_workers,
+                                 persistent_workers=num_workers > 0, pin_memory=device.type == "cuda",
+                                 generator=torch.Generator().manual_seed(0))
 
     def __len__(self):
         return len(self.loader)
 
     def __iter__(self):
-        for batch in self.loader:
-            # Pinned memory (on a GPU) lets the copies run while the GPU computes.
-            yield self.images.prepare(*(tensor.to(self.device, non_blocking=True) for tensor in batch))
+        return self.batches(0, len(self))
+
+    def batches(self, start, stop):
+        """This epoch's batches `start` to `stop` (exclusive), for a run that resumes mid-epoch or stops
+        early: the batches before `start` are skipped without being loaded."""
+        self.batch_range.start, self.batch_range.stop = start, stop
+        if self.device.type != "cuda":
+            for batch in self.loader:
+                yield self.images.prepare(*(tensor.to(self.device) for tensor in batch))
+            return
+        # A copy from pinned memory with non_blocking=True runs beside the GPU's computation, but only on
+        # another stream than the computation's: batch i + 1 is copied on `copy_stream` while batch i trains.
+        copy_stream, compute_stream = torch.cuda.Stream(self.device), torch.cuda.current_stream(self.device)
+        previous = None
+        for batch in itertools.chain(self.loader, [None]):
+            if batch is not None:
+                with torch.cuda.stream(copy_stream):
+                    copied = [tensor.to(self.device, non_blocking=True) for tensor in batch]
+                    copy_done = torch.cuda.Event()
+                    copy_done.record()
+            if previous is not None:
+                tensors, event = previous
+                compute_stream.wait_event(event)  # the batch is on the device before it is used
+                for tensor in tensors:  # its memory is not reused while the compute stream may still read it
+                    tensor.record_stream(compute_stream)
+                yield self.images.prepare(*tensors)
+            previous = (copied, copy_done) if batch is not None else None
 
 
 class EpochShuffleSampler(Sampler):
@@ -193,18 +252,37 @@ def _cifar10_arrays(root):
     return paths if all(os.path.isfile(path) for path in paths) else None
 
 
+@contextlib.contextmanager
+def _one_process_at_a_time(root):
+    """Hold a lock on `root`: of the processes that download into one directory (the ranks of a machine,
+    or of every machine on a shared file system), one downloads while the others wait for it."""
+    _check_data_dir(root)
+    os.makedirs(root, exist_ok=True)
+    with open(os.path.join(root, ".download.lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
+
+
 def _download(dataset_class, root):
-    """Best effort: a failure (no network, say) is reported by the `load_*` function, which every
-    rank calls, so no rank exits alone."""
-    previous_timeout = socket.getdefaulttimeout()
-    socket.setdefaulttimeout(60)  # a network that drops packets would otherwise hang forever
-    try:
-        dataset_class(root, train=True, download=True)
-        dataset_class(root, train=False, download=True)
-    except (OSError, RuntimeError):
-        pass
-    finally:
-        socket.setdefaulttimeout(previous_timeout)
+    """Best effort: a failure (no network, say) is reported by the `load_*` function, on every rank.
+
+    Call it before the process group exists: a download can take longer than the group's timeout, and a
+    rank left waiting in a collective past it kills the job. A process that waited for another's failed
+    attempt does not try again: on a network that stalls, every try costs its timeouts."""
+    waiting_since = time.time()
+    with _one_process_at_a_time(root):
+        failed = os.path.join(root, ".download-failed")
+        if os.path.exists(failed) and os.path.getmtime(failed) >= waiting_since:
+            return
+        previous_timeout = socket.getdefaulttimeout()
+        socket.setdefaulttimeout(20)  # seconds without a byte: a network that drops packets would hang forever
+        try:
+            dataset_class(root, train=True, download=True)  # one download holds the training and the test split
+        except (OSError, RuntimeError):
+            with open(failed, "w"):
+                pass
+        finally:
+            socket.setdefaulttimeout(previous_timeout)
 
 
 def _torchvision_splits(dataset_class, name, root):
@@ -219,7 +297,8 @@ def _torchvision_splits(dataset_class, name, root):
 
 
 def download_cifar10(root):
-    """Download CIFAR-10 into `root` if it is not there (best effort, see `_download`)."""
+    """Download CIFAR-10 into `root` if it is not there (best effort, before the process group: see
+    `_download`)."""
     if os.path.isdir(root) and _cifar10_arrays(root):
         return
     import torchvision
@@ -253,8 +332,8 @@ def load_cifar10(root, synthetic, seed=0):
 
 
 def download_mnist(root):
-    """Download MNIST into `root` (as `root/MNIST/raw/`) if it is not there (best effort, see
-    `_download`). With the four official archives already in `root/MNIST/raw/`, torchvision checks
+    """Download MNIST into `root` (as `root/MNIST/raw/`) if it is not there (best effort, before the
+    process group: see `_download`). With the four official archives already in `root/MNIST/raw/`, torchvision checks
     their md5 and extracts them, offline."""
     import torchvision
 

@@ -31,8 +31,9 @@ def all_reduce_mean(value):
 
 
 def broadcast_buffers(model):
-    """Give every rank rank 0's buffers (BatchNorm's running statistics), where nothing else keeps them
-    equal: DDP broadcasts them before each forward pass; FSDP and DeepSpeed do not."""
+    """Give every rank rank 0's buffers (BatchNorm's running statistics). DDP broadcasts them itself, but
+    only in a forward pass that follows a training step, and only on the ranks that run one; FSDP and
+    DeepSpeed never do. Every rank must call it."""
     for buffer in model.buffers():
         dist.broadcast(buffer, src=0)
 

@@ -12,17 +12,27 @@ from common.utils import UsageError
 AMP_DTYPES = {"none": None, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 
+# The learning rate of every step's default follows the global batch (the linear scaling rule): the
+# default --lr is the reference rate at this many samples per step, times --batch-size / this.
+REFERENCE_BATCH_SIZE = 256
+
+
 class _Parser(argparse.ArgumentParser):
+    reference_lr = None  # the default --lr at REFERENCE_BATCH_SIZE
+    fp16_cpu_refusal = None  # why this step refuses --amp fp16 without a GPU (None: it accepts it)
+
     def error(self, message):
         # argparse would print the usage and exit from every rank; one line from one process is enough.
         raise UsageError(message)
 
     def parse_args(self, args=None, namespace=None):
         parsed = super().parse_args(args, namespace)
-        if getattr(parsed, "amp", None) == "fp16" and not torch.cuda.is_available():
-            # fp16 on a CPU is slow, and without a GPU there is no loss scaling to keep its gradients alive.
+        if parsed.lr is None:
+            parsed.lr = self.reference_lr * parsed.batch_size / REFERENCE_BATCH_SIZE
+        if getattr(parsed, "amp", None) == "fp16" and not torch.cuda.is_available() and self.fp16_cpu_refusal:
             hint = " (accelerate launch: --mixed_precision no)" if "ACCELERATE_MIXED_PRECISION" in os.environ else ""
-            raise UsageError(f"--amp fp16 needs a GPU; on the CPU use --amp bf16 or --amp none{hint}")
+            raise UsageError(f"--amp fp16 needs a GPU here: {self.fp16_cpu_refusal}; on the CPU use --amp bf16 "
+                             f"or --amp none{hint}")
         return parsed
 
 
@@ -55,9 +65,11 @@ def _unit_fraction(text):
 
 
 def build_parser(script_file, description, *, epochs, batch_size, lr):
-    """A parser holding the flags that every step has; a step adds its own before parsing."""
+    """A parser holding the flags that every step has; a step adds its own before parsing. `lr` is the
+    default learning rate at a global batch of REFERENCE_BATCH_SIZE: the default scales with --batch-size."""
     script = os.path.splitext(os.path.basename(script_file))[0]
     parser = _Parser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.reference_lr = lr
     parser.add_argument("--data-dir", default="./data", help="where the data set lives or is downloaded to")
     parser.add_argument("--synthetic", action="store_true", help="use generated stand-in data (offline)")
     parser.add_argument("--epochs", type=positive_int, default=epochs, help="passes over the training set")
@@ -65,7 +77,8 @@ def build_parser(script_file, description, *, epochs, batch_size, lr):
                         help="stop after this many optimizer steps in total (0: no limit)")
     parser.add_argument("--batch-size", type=positive_int, default=batch_size,
                         help="GLOBAL batch size: samples per optimizer step, all processes together")
-    parser.add_argument("--lr", type=_positive_float, default=lr, help="peak learning rate")
+    parser.add_argument("--lr", type=_positive_float,
+                        help=f"peak learning rate (default: {lr} x --batch-size / {REFERENCE_BATCH_SIZE})")
     parser.add_argument("--seed", type=int, default=0, help="seed for the weights, data order and augmentation")
     parser.add_argument("--num-workers", type=_non_negative_int, default=2, help="data-loader worker processes")
     parser.add_argument("--output-dir", default=os.path.join("runs", script), help="where outputs go")
@@ -80,8 +93,11 @@ def build_parser(script_file, description, *, epochs, batch_size, lr):
     return parser
 
 
-def add_amp_argument(parser, default="none"):
-    """--amp, for the steps that train in mixed precision (02 onwards); fp16 is refused without a GPU."""
+def add_amp_argument(parser, default="none", fp16_cpu_refusal=None):
+    """--amp, for the steps that train in mixed precision (02 onwards). fp16 runs on a CPU too (slowly: most
+    CPUs have no fp16 arithmetic), with torch's loss scaling; a step whose library has no fp16 on the CPU
+    says why in `fp16_cpu_refusal`."""
+    parser.fp16_cpu_refusal = fp16_cpu_refusal
     parser.add_argument("--amp", choices=list(AMP_DTYPES), default=default,
                         help="mixed precision: fp16 (with loss scaling) or bf16")
 

@@ -6,6 +6,7 @@ meter. The distributed helpers live in `common/distributed.py`.
 
 import glob
 import json
+import math
 import os
 import random
 import shutil
@@ -107,10 +108,12 @@ def use_deterministic_kernels():
 
 
 def get_rng_state():
-    """The random number generator state a checkpoint needs to resume a run exactly."""
+    """The random number generator state a checkpoint needs to resume a run exactly: this process's
+    generators, its GPU's included (not every visible GPU's: a run resumed with fewer visible GPUs
+    could not restore them)."""
     state = {"python": random.getstate(), "torch": torch.get_rng_state()}
     if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
+        state["cuda"] = torch.cuda.get_rng_state()  # the current device's, which the step has set
     return state
 
 
@@ -119,7 +122,15 @@ def set_rng_state(state):
     random.setstate(state["python"])
     torch.set_rng_state(state["torch"].cpu())
     if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all([s.cpu() for s in state["cuda"]])
+        torch.cuda.set_rng_state(state["cuda"].cpu())
+
+
+def check_finite(loss, step):
+    """A run whose loss is no longer a number has diverged: every later step is wasted, and its weights are
+    NaN. Stop it with an error before it writes a checkpoint or a model over good ones."""
+    if not math.isfinite(loss):
+        raise UsageError(f"the training loss is {loss} at step {step}: the run diverged; "
+                         "lower --lr, or raise --batch-size (docs/troubleshooting.md)")
 
 
 def _atomic_write(path, write, mode):

@@ -17,7 +17,9 @@ def test_accelerate_step(launcher, nproc, tmp_path):
     launch = accelerate_launch if launcher == "accelerate" else torchrun
     result = check_ok(run_job(launch(nproc, SCRIPT, *SMOKE_ARGS, *MNIST_LR, "--output-dir", tmp_path)))
     # A real group of nproc processes (not nproc runs alone), which together count each test sample once.
-    check_smoke_run(tmp_path, SCRIPT, world_size=nproc, model_class=models.MnistCNN)
+    # accelerate_config.yaml's fp16 applies where there are GPUs for it (without, the launch overrides it).
+    amp = "fp16" if launcher == "accelerate" and ON_GPU else "none"
+    check_smoke_run(tmp_path, SCRIPT, world_size=nproc, amp=amp, model_class=models.MnistCNN)
     assert result.stdout.count("epoch 1/1") == 1  # the main process alone prints
 
 

@@ -1,9 +1,14 @@
 """The shared pipeline: deterministic data, world-size-independent order, atomic writes."""
 
+import itertools
+import threading
+import time
+
 import numpy as np
 import pytest
 import torch
 from data_dirs import mnist_data_dir
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.data.distributed import DistributedSampler
 
 from common import data, models, utils
@@ -195,3 +200,139 @@ def test_mnist_cnn_is_pytorchs_example_net(tmp_path):
     utils.save_atomic(model.state_dict(), path)
     loaded = models.load_weights(path, models.MnistCNN).state_dict()
     assert all(torch.equal(tensor, loaded[name]) for name, tensor in model.state_dict().items())
+
+
+class CopiesToDevice(TorchDispatchMode):
+    """Records the shape of every tensor that a copy takes from the CPU to another device."""
+
+    def __init__(self):
+        super().__init__()
+        self.shapes = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        result = func(*args, **kwargs)
+        if func in (torch.ops.aten._to_copy.default, torch.ops.aten.copy_.default):
+            source = args[1] if func is torch.ops.aten.copy_.default else args[0]
+            if source.device.type == "cpu" and result.device.type != "cpu":
+                self.shapes.append(tuple(source.shape))
+        return result
+
+
+def test_only_the_batch_crosses_to_the_device(synthetic):
+    """Per batch, the uint8 images, the labels and the augmentation draws go to the device, nothing else:
+    the normalisation constants are copied once (on a GPU, a copy from pageable memory in every batch
+    makes the CPU wait for the GPU). The `meta` device stands in for a GPU: the same copies, no data."""
+    train_set, _ = synthetic
+    loader = data.BatchLoader(train_set, 64, sampler=data.EpochShuffleSampler(train_set), device="meta")
+    with CopiesToDevice() as copies:
+        batches = sum(1 for _ in itertools.islice(loader, 5))
+    per_batch = [(64, 3, 32, 32), (64,), (64, 2), (64,)]
+    stats_once = [(1, 3, 1, 1), (1, 3, 1, 1)]
+    assert sorted(copies.shapes) == sorted(per_batch * batches + stats_once)
+
+
+class CountedLoads(torch.utils.data.Dataset):
+    """A data set that counts the batches it loads (lists of indices, as BatchLoader asks for them)."""
+
+    def __init__(self, dataset):
+        self.dataset, self.loaded = dataset, []
+
+    def __len__(self):
+        return len(self.dataset)
+
+    def __getitem__(self, indices):
+        self.loaded.append(indices)
+        return self.dataset[indices]
+
+    def prepare(self, *batch):
+        return self.dataset.prepare(*batch)
+
+
+def test_a_resumed_epoch_skips_batches_without_loading_them(synthetic):
+    train_set, _ = synthetic
+    counted = CountedLoads(train_set)
+    sampler = data.EpochShuffleSampler(train_set, seed=3)
+    whole_epoch = [images for images, _ in data.BatchLoader(counted, 24, sampler=sampler, drop_last=True)]
+    counted.loaded.clear()
+    resumed = [images for images, _ in data.BatchLoader(counted, 24, sampler=sampler, drop_last=True).batches(7, 10)]
+    assert len(counted.loaded) == 3  # batches 7, 8 and 9: the first 7 were never loaded
+    assert all(torch.equal(a, b) for a, b in zip(resumed, whole_epoch[7:10], strict=True))
+
+
+def test_persistent_workers_see_each_epochs_augmentation(synthetic):
+    """BatchLoader keeps its worker processes from epoch to epoch; the draws of `set_epoch` must reach them."""
+    train_set, _ = synthetic
+    sampler = data.EpochShuffleSampler(train_set, seed=1)
+    persistent = data.BatchLoader(train_set, 64, sampler=sampler, num_workers=2)
+    assert persistent.loader.persistent_workers
+    epochs = []
+    for epoch in range(2):
+        sampler.set_epoch(epoch)
+        train_set.set_epoch(epoch)
+        epochs.append([images for images, _ in itertools.islice(persistent, 3)])
+    fresh = [images for images, _ in itertools.islice(data.BatchLoader(train_set, 64, sampler=sampler), 3)]
+    assert all(torch.equal(a, b) for a, b in zip(epochs[1], fresh, strict=True))
+    train_set.set_epoch(0)  # the module's other tests expect epoch 0's draws
+
+
+def test_a_checkpoint_restores_on_fewer_visible_gpus(monkeypatch):
+    """Each process saves its own GPU's generator: a run saved where 8 GPUs were visible resumes where one
+    is (an 8-GPU run of 03 resumed with CUDA_VISIBLE_DEVICES=0). No GPU needed: torch.cuda is faked."""
+    generators = {index: torch.tensor([index], dtype=torch.uint8) for index in range(8)}
+    current = {"device": 5}
+
+    def get_rng_state(device="cuda"):
+        return generators[current["device"]].clone()
+
+    def set_rng_state(state, device="cuda"):
+        if current["device"] >= len(generators):
+            raise IndexError("no such GPU")
+        generators[current["device"]] = state
+
+    def get_rng_state_all():
+        return [generators[index].clone() for index in range(len(generators))]
+
+    def set_rng_state_all(states):
+        for index, state in enumerate(states):
+            if index >= len(generators):
+                raise IndexError("no such GPU")
+            generators[index] = state
+
+    for name, function in [("is_available", lambda: True), ("get_rng_state", get_rng_state),
+                           ("set_rng_state", set_rng_state), ("get_rng_state_all", get_rng_state_all),
+                           ("set_rng_state_all", set_rng_state_all)]:
+        monkeypatch.setattr(torch.cuda, name, function)
+    state = utils.get_rng_state()
+    assert torch.equal(state["cuda"], torch.tensor([5], dtype=torch.uint8))
+    for index in range(1, 8):  # CUDA_VISIBLE_DEVICES=0: one GPU, device 0
+        del generators[index]
+    generators[0] = torch.tensor([0], dtype=torch.uint8)
+    current["device"] = 0
+    utils.set_rng_state(state)
+    assert torch.equal(generators[0], torch.tensor([5], dtype=torch.uint8))
+
+
+def test_one_process_downloads_while_the_others_wait(tmp_path):
+    """The processes of a machine share --data-dir: one downloads at a time, and those that waited for a
+    failed attempt do not try again (each try on a stalling network costs its timeouts)."""
+    attempts, running = [], []
+
+    class FailingDownload:
+        def __init__(self, root, train, download):
+            assert not running, "two downloads at once"
+            running.append(1)
+            attempts.append(root)
+            time.sleep(0.5)
+            running.pop()
+            raise RuntimeError("no network")
+
+    threads = [threading.Thread(target=data._download, args=(FailingDownload, str(tmp_path))) for _ in range(3)]
+    for thread in threads:
+        thread.start()
+        time.sleep(0.05)  # the first one holds the lock: the others wait for it
+    for thread in threads:
+        thread.join(timeout=30)
+    assert len(attempts) == 1
+    data._download(FailingDownload, str(tmp_path))  # a later run tries again
+    assert len(attempts) == 2

@@ -25,7 +25,7 @@ LESSONS = {
            "model.load_checkpoint(", "get_fp32_state_dict_from_zero_checkpoint("],
     "06": ["Accelerator(", "accelerator.prepare(", "accelerator.backward(", "gather_for_metrics(",
            "accelerator.save_state(", "accelerator.load_state(", "train_loader.set_epoch("],
-    "07": ["MixedPrecisionPolicy(", "fully_shard(", "ShardedGradScaler(", "get_model_state_dict(", "dcp.save(",
+    "07": ["MixedPrecisionPolicy(", "fully_shard(", "get_model_state_dict(", "dcp.save(",
            "dcp.load(", "set_state_dict("],
 }
 
