@@ -21,6 +21,12 @@ SMOKE_STEPS = 30
 SMOKE_ARGS = [*SYNTHETIC_ARGS, "--max-steps", str(SMOKE_STEPS)]
 # 06's CNN has no normalisation layers: SGD needs a smaller step than ResNet-9's at this small batch.
 MNIST_LR = ["--lr", "0.05"]
+# bf16 and fp16 on a CPU. A CPU without bf16 instructions (AVX2 only) emulates bf16 about 30 times slower
+# than fp32, and most CPUs emulate fp16: a smoke run of ResNet-9 at its default width took 100-145 s there.
+# The 16-bit runs train it at half the width (a quarter of the FLOPs, still learning in SMOKE_STEPS steps),
+# under a timeout with room for a CPU twice as slow again.
+HALF_WIDTH = ["--width", "16"]
+LOW_PRECISION_TIMEOUT = 600
 
 
 def _children():

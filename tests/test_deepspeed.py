@@ -12,7 +12,7 @@ import json
 import parity
 import pytest
 from data_dirs import tiny_cifar10
-from jobs import SMOKE_ARGS, SYNTHETIC_ARGS, run_job
+from jobs import HALF_WIDTH, LOW_PRECISION_TIMEOUT, SMOKE_ARGS, SYNTHETIC_ARGS, run_job
 from launch import LAUNCHERS, ON_GPU, python, torchrun
 from outputs import assert_same_weights, check_ok, check_one_error, check_smoke_run, read_metrics
 from resume import END_STEP, check_exact_resume
@@ -44,8 +44,10 @@ def deepspeed_op():
 ])
 def test_deepspeed_step(launcher, nproc, zero_stage, amp, request, tmp_path):
     stage_args = [] if zero_stage is None else ["--zero-stage", zero_stage]
-    result = check_ok(launch(launcher, nproc, *SMOKE_ARGS, *stage_args, "--amp", amp, "--output-dir", tmp_path))
-    metrics = check_smoke_run(tmp_path, SCRIPT, world_size=nproc, amp=amp)
+    size, timeout = (HALF_WIDTH, LOW_PRECISION_TIMEOUT) if amp != "none" else ([], 180)
+    result = check_ok(launch(launcher, nproc, *SMOKE_ARGS, *size, *stage_args, "--amp", amp, "--output-dir", tmp_path,
+                             timeout=timeout))
+    metrics = check_smoke_run(tmp_path, SCRIPT, world_size=nproc, amp=amp, width=16 if size else 32)
     assert metrics["zero_stage"] == (2 if zero_stage is None else zero_stage)
     assert result.stdout.count("epoch 1/1") == 1  # rank 0 alone prints
     if nproc == 2 and not ON_GPU:

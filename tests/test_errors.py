@@ -139,3 +139,28 @@ def test_more_processes_than_gpus(launcher, script, tmp_path):
     result = run_job(launcher(gpus + 1, script, *SYNTHETIC_ARGS, "--output-dir", tmp_path), timeout=120,
                      more_processes_than_gpus=True)
     check_one_error(result, f"{gpus + 1} processes on this machine but {gpus} GPU(s)")
+
+
+@pytest.mark.parametrize("step, launch", [
+    ("01", lambda *args: python("01_cifar10_cpu.py", *args)),
+    ("02", lambda *args: python("02_cifar10_gpu.py", *args)),
+    ("03", lambda *args: python("03_cifar10_dataparallel.py", *args)),
+    ("04", lambda *args: torchrun(2, "04_cifar10_ddp.py", *args)),
+    # ZeRO-1, 2 and 3 skip a step whose gradients are not numbers, in fp32 too ("OVERFLOW! Skipping step"):
+    # their weights stay numbers. Without ZeRO the loss becomes NaN, as in the other steps.
+    ("05", lambda *args: torchrun(2, "05_cifar10_deepspeed.py", *args, "--zero-stage", 0)),
+    ("06", lambda *args: torchrun(2, "06_mnist_accelerate.py", *args)),
+    ("07", lambda *args: torchrun(2, "07_cifar10_fsdp.py", *args)),
+])
+def test_a_diverged_run_is_an_error(step, launch, tmp_path):
+    """A learning rate far too high: the loss is no longer a number by the first check (step 10). The run
+    stops there on every rank with one line, exits non-zero, and writes neither a checkpoint of NaN weights
+    nor outputs that look like a success."""
+    data_dir = tiny_cifar10(tmp_path / "data", 480, 10)
+    args = ["--data-dir", data_dir, *SHORT_RUN_ARGS, "--lr", 1e6, "--save-every", 10, "--output-dir", tmp_path / "out"]
+    if step == "06":
+        args = ["--synthetic", *SHORT_RUN_ARGS, "--lr", 1e6, "--save-every", 10, "--output-dir", tmp_path / "out"]
+    line = check_one_error(run_job(launch(*args), timeout=120))
+    assert re.fullmatch(r"error: the training loss is (nan|inf) at step 10: the run diverged; lower --lr, or raise "
+                        r"--batch-size \(docs/troubleshooting.md\)", line), line
+    assert not list((tmp_path / "out").glob("*"))

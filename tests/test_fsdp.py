@@ -3,8 +3,10 @@ evaluation, a full fp32 model.pt, DDP's optimizer steps, sharded checkpoints tha
 one-line errors. Parity with 01 in float64 is in tests/test_parity.py, resuming at another world size
 in tests/test_resume.py."""
 
+import re
+
 import pytest
-from jobs import SMOKE_ARGS, SYNTHETIC_ARGS, run_job
+from jobs import HALF_WIDTH, LOW_PRECISION_TIMEOUT, SMOKE_ARGS, SYNTHETIC_ARGS, run_job
 from launch import ON_GPU, python, torchrun
 from outputs import assert_same_weights, check_ok, check_one_error, check_smoke_run
 from resume import END_STEP, check_exact_resume
@@ -14,8 +16,11 @@ SCRIPT = "07_cifar10_fsdp.py"
 
 @pytest.mark.parametrize("nproc, amp", [(2, "none"), (3, "bf16")])
 def test_fsdp_step(nproc, amp, request, tmp_path):
-    result = check_ok(run_job(torchrun(nproc, SCRIPT, *SMOKE_ARGS, "--amp", amp, "--output-dir", tmp_path)))
-    check_smoke_run(tmp_path, SCRIPT, world_size=nproc, amp=amp)  # model.pt: the whole model, in fp32
+    size, timeout = (HALF_WIDTH, LOW_PRECISION_TIMEOUT) if amp != "none" else ([], 180)
+    result = check_ok(run_job(torchrun(nproc, SCRIPT, *SMOKE_ARGS, *size, "--amp", amp, "--output-dir", tmp_path),
+                              timeout=timeout))
+    # model.pt: the whole model, in fp32
+    check_smoke_run(tmp_path, SCRIPT, world_size=nproc, amp=amp, width=16 if size else 32)
     assert result.stdout.count("epoch 1/1") == 1  # rank 0 alone prints
     if nproc == 2 and not ON_GPU:
         # Sharded, 07 takes exactly 04's steps: the same batches, the same averaged gradients
@@ -43,3 +48,11 @@ def test_bad_input_is_one_line(nproc, args, message, tmp_path):
     result = run_job(torchrun(nproc, SCRIPT, *command) if nproc > 1 else python(SCRIPT, *command), timeout=120)
     check_one_error(result, message)
     assert not (tmp_path / "metrics.json").exists()
+
+
+def test_an_overflow_in_one_shard_skips_the_step_on_every_rank():
+    """07 uses torch's own GradScaler (not ShardedGradScaler): FSDP2's gradients are DTensors, whose
+    overflow check takes the maximum over the ranks."""
+    result = check_ok(run_job(torchrun(2, "tests/fsdp_overflow.py"), timeout=120))
+    assert sorted(re.findall(r"rank \d stepped \w+ scale \S+", result.stdout)) == [
+        "rank 0 stepped False scale 512.0", "rank 1 stepped False scale 512.0"]

@@ -5,8 +5,8 @@ import pytest
 from data_dirs import tiny_cifar10
 from jobs import run_job
 from launch import python, torchrun
-from outputs import check_ok, read_metrics
-from resume import check_exact_resume
+from outputs import check_ok, load_state, read_metrics
+from resume import END_STEP, check_exact_resume
 
 LAUNCH = {
     "01": lambda *args: python("01_cifar10_cpu.py", *args),
@@ -19,6 +19,24 @@ LAUNCH = {
 @pytest.mark.parametrize("step", LAUNCH)
 def test_resume_mid_epoch_matches_uninterrupted_run(step, tmp_path):
     check_exact_resume(LAUNCH[step], tmp_path)
+
+
+FP16 = ["--amp", "fp16", "--width", "8"]  # fp16 is emulated on most CPUs: a small net keeps it quick
+FP16_LAUNCH = {
+    "02": (lambda *args: python("02_cifar10_gpu.py", *args, *FP16), "checkpoint.pt"),
+    "04": (lambda *args: torchrun(2, "04_cifar10_ddp.py", *args, *FP16), "checkpoint.pt"),
+    "07": (lambda *args: torchrun(2, "07_cifar10_fsdp.py", *args, *FP16), f"checkpoints/step{END_STEP}/train_state.pt"),
+}
+
+
+@pytest.mark.parametrize("step", FP16_LAUNCH)
+def test_fp16_resumes_with_its_loss_scale(step, tmp_path):
+    """The GradScaler's state (its scale, and the steps since it last changed) is part of the checkpoint: the
+    resumed run ends with the uninterrupted run's weights and scaler state. torch scales fp16 on the CPU too."""
+    launch, checkpoint = FP16_LAUNCH[step]
+    stopped, _ = check_exact_resume(launch, tmp_path)
+    scalers = [load_state(directory / checkpoint)["scaler"] for directory in (tmp_path / "straight", stopped)]
+    assert scalers[0] == scalers[1] and scalers[0]["_growth_tracker"] > 0, scalers
 
 
 @pytest.mark.parametrize("script", ["04_cifar10_ddp.py", "07_cifar10_fsdp.py"])

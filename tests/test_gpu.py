@@ -1,0 +1,93 @@
+"""The GPU tier: what a GPU machine can check and a CPU cannot. `pytest -m gpu` runs it; without a GPU every
+test here is skipped, with the reason.
+
+- Every step trains with --amp bf16 and fp16 and its loop waits for the GPU only where it reads the loss
+  (every 10 steps, and before a checkpoint) or where a library must (the fp16 scaler's overflow check).
+- The batched pipeline gives on CUDA exactly the batches it gives on the CPU, and copies on a side stream.
+- --resume is exact on a GPU, fp16's loss scale included; with 2 or more GPUs the multi-process steps run
+  over NCCL.
+"""
+
+import re
+from pathlib import Path
+
+import pytest
+import torch
+from jobs import SMOKE_ARGS, run_job
+from launch import ON_GPU, python, torchrun
+from outputs import check_ok, check_smoke_run
+from resume import check_exact_resume
+
+from common import data, models
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not ON_GPU, reason="needs a GPU (CUDA): run `pytest -m gpu` on a GPU machine")]
+
+SYNC_DEBUG = "tests/sync_debug.py"
+STEPS = {
+    "02": lambda *args: python(SYNC_DEBUG, "02_cifar10_gpu.py", *args),
+    "03": lambda *args: python(SYNC_DEBUG, "03_cifar10_dataparallel.py", *args),
+    "04": lambda *args: python(SYNC_DEBUG, "04_cifar10_ddp.py", *args),
+    "05": lambda *args: python(SYNC_DEBUG, "05_cifar10_deepspeed.py", *args),
+    "06": lambda *args: python(SYNC_DEBUG, "06_mnist_accelerate.py", *args, "--lr", "0.05"),
+    "07": lambda *args: python(SYNC_DEBUG, "07_cifar10_fsdp.py", *args),
+}
+# Where a library itself waits for the GPU once per step, by design: the fp16 scalers read their overflow
+# flag on the CPU to decide whether to step (torch's GradScaler, DeepSpeed's loss scaler).
+LIBRARY_CHECKS = re.compile(r"torch/amp/grad_scaler\.py|deepspeed/runtime/")
+
+
+def loop_synchronisations(stderr):
+    """The synchronisations that sync_debug.py reported from the training loop or the input pipeline,
+    less the loop's own reads of the loss and the libraries' per-step checks."""
+    found = []
+    for line in stderr.splitlines():
+        match = re.match(r"sync: (\S+):(\d+) (\S+) \| (\S+)", line)
+        if not match:
+            continue
+        path, number, function, innermost = match.groups()
+        if function != "train_one_epoch" and not path.endswith("common/data.py"):
+            continue  # set-up, evaluation, checkpoints: once per run or per epoch
+        source = Path(path).read_text().splitlines()[int(number) - 1]
+        if ".item()" in source or LIBRARY_CHECKS.search(innermost):
+            continue
+        found.append(f"{path}:{number}: {source.strip()} (in {innermost})")
+    return found
+
+
+@pytest.mark.parametrize("amp", ["bf16", "fp16"])
+@pytest.mark.parametrize("step", STEPS)
+def test_the_loop_does_not_wait_for_the_gpu(step, amp, tmp_path):
+    result = check_ok(run_job(STEPS[step](*SMOKE_ARGS, "--amp", amp, "--output-dir", tmp_path), timeout=300))
+    assert "sync: " in result.stderr, "sync_debug.py reported nothing: is the debug mode on?"
+    assert not loop_synchronisations(result.stderr), "\n".join(loop_synchronisations(result.stderr))
+
+
+def test_the_pipeline_gives_the_same_batches_on_cuda(tmp_path):
+    train_set, test_set = data.load_cifar10(None, synthetic=True, seed=0)
+    train_set.set_epoch(2)
+    sampler = data.EpochShuffleSampler(train_set, seed=0)
+    on_cpu = list(data.BatchLoader(train_set, 64, sampler=sampler, num_workers=2))
+    on_gpu = list(data.BatchLoader(train_set, 64, sampler=sampler, device="cuda", num_workers=2))
+    assert len(on_cpu) == len(on_gpu)
+    for (cpu_images, cpu_labels), (gpu_images, gpu_labels) in zip(on_cpu, on_gpu, strict=True):
+        assert gpu_images.is_cuda and torch.equal(gpu_images.cpu(), cpu_images)
+        assert torch.equal(gpu_labels.cpu(), cpu_labels)
+
+
+@pytest.mark.parametrize("amp", ["none", "bf16", "fp16"])
+def test_resume_on_a_gpu_is_exact(amp, tmp_path):
+    """Deterministic kernels make two runs of one seed equal on a GPU; the checkpoint carries the fp16 loss
+    scale, which a resumed run must continue from."""
+    check_exact_resume(lambda *args: python("02_cifar10_gpu.py", *args, "--amp", amp), tmp_path)
+
+
+@pytest.mark.parametrize("script", ["04_cifar10_ddp.py", "05_cifar10_deepspeed.py", "06_mnist_accelerate.py",
+                                    "07_cifar10_fsdp.py"])
+@pytest.mark.parametrize("amp", ["bf16", "fp16"])
+def test_two_processes_over_nccl(script, amp, tmp_path):
+    """One process per GPU (run_job skips where there are fewer than 2)."""
+    lr = ["--lr", "0.05"] if script.startswith("06") else []
+    check_ok(run_job(torchrun(2, script, *SMOKE_ARGS, *lr, "--amp", amp, "--output-dir", tmp_path), timeout=300))
+    model_class = models.MnistCNN if script.startswith("06") else models.ResNet9
+    check_smoke_run(tmp_path, script, world_size=2, amp=amp, model_class=model_class)
