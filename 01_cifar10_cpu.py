@@ -65,6 +65,7 @@ def main():
         meter.stop((new_step - step) * args.batch_size)
         step = new_step
         test_loss, test_accuracy, test_samples = evaluate(model, test_loader, device, args.tta)
+        utils.check_finite(test_loss, step, "test")  # weights that are no longer numbers: write nothing from them
         history.append({"step": step, "elapsed_seconds": time.perf_counter() - start_time, "train_loss": train_loss,
                         "test_loss": test_loss, "test_accuracy": test_accuracy})
         print(

@@ -56,7 +56,7 @@ def main():
     if device.type == "cuda":  # [02]
         distributed.require_one_gpu_per_process()  # [04]
         torch.cuda.set_device(local_rank)  # [04] before any CUDA work, or every process would use GPU 0
-        utils.use_deterministic_kernels()  # [02] or --resume drifts from an uninterrupted run; ~6% slower
+        utils.use_deterministic_kernels()  # [02] or --resume drifts from an uninterrupted run
     else:  # [02]
         distributed.print0("no GPU found: training on the CPU")  # [04]
     # DeepSpeed's fp16 and bf16 turn the weights themselves into 16 bits (the optimizer keeps fp32
@@ -137,6 +137,7 @@ def main():
         meter.stop((new_step - step) * args.batch_size)
         step = new_step
         test_loss, test_accuracy, test_samples = evaluate(model, test_loader, device, amp_dtype, args.tta)  # [02]
+        utils.check_finite(test_loss, step, "test")  # weights that are no longer numbers: write nothing from them
         history.append({"step": step, "elapsed_seconds": time.perf_counter() - start_time, "train_loss": train_loss,
                         "test_loss": test_loss, "test_accuracy": test_accuracy})
         distributed.print0(  # [04]
@@ -164,20 +165,16 @@ def main():
         "wall_seconds": time.perf_counter() - start_time,
         "history": history,
     }
-    # model.pt holds fp32 weights. With --amp the module's copies are 16-bit: the fp32 masters are in the
-    # optimizer wrapper. Without ZeRO, gathering them is a collective under bf16: every rank takes part.
-    if model.zero_optimization_stage() == 0 and args.amp != "none":  # [05]
-        master_weights = fp32_master_weights(model)  # [05]
     if rank == 0:  # [04] one writer. No collective in here: the other ranks would never join it.
-        # Under ZeRO the fp32 weights exist only as the ranks' shards of the optimizer state (the module's
-        # copies are empty under ZeRO-3): DeepSpeed's zero_to_fp32, its offline converter, reassembles them
-        # from the final checkpoint.
+        # model.pt holds fp32 weights. Under ZeRO they exist only as the ranks' shards of the optimizer
+        # state (the module's copies are 16-bit with --amp, and empty under ZeRO-3): DeepSpeed's
+        # zero_to_fp32, its offline converter, reassembles them from the final checkpoint.
         if model.zero_optimization_stage() > 0:  # [05]
             state_dict = get_fp32_state_dict_from_zero_checkpoint(os.path.join(args.output_dir, "checkpoints"))  # [05]
         else:  # [05] no ZeRO: every rank holds the whole model, in model.module
             state_dict = model.module.state_dict()  # [05]
-            if args.amp != "none":  # [05]
-                state_dict.update(master_weights)  # [05]
+            if args.amp != "none":  # [05] its weights are 16-bit roundings of the optimizer wrapper's fp32 masters
+                state_dict.update(fp32_master_weights(model))  # [05]
         state_dict = {name: t.float() if t.is_floating_point() else t for name, t in state_dict.items()}  # [05]
         utils.save_atomic(state_dict, os.path.join(args.output_dir, "model.pt"))  # [05]
         utils.write_json(metrics, os.path.join(args.output_dir, "metrics.json"))  # [04]
@@ -223,9 +220,9 @@ def train_one_epoch(args, model, loader, accumulation_steps, steps_per_epoch,  #
 def evaluate(model, loader, device, amp_dtype, tta):  # [02]
     """Mean loss and accuracy over the whole test set; returns them and the number of samples."""
     model.eval()
-    # DeepSpeed, unlike DDP, never synchronises buffers: each rank's BatchNorm statistics have followed
-    # its own batches. Evaluate with rank 0's everywhere, the ones that model.pt keeps.
-    distributed.broadcast_buffers(model.module)  # [05]
+    # DeepSpeed never synchronises buffers: each rank's BatchNorm statistics have followed its own batches.
+    # Evaluate with rank 0's everywhere, the ones that model.pt keeps.
+    distributed.broadcast_buffers(model.module)  # [04]
     totals = torch.zeros(3, dtype=torch.float64, device=device)  # loss sum, correct, samples
     for images, labels in loader:
         images = images.to(amp_dtype)  # [05]
@@ -239,16 +236,13 @@ def evaluate(model, loader, device, amp_dtype, tta):  # [02]
 
 
 def fp32_master_weights(model):  # [05]
-    """{name: fp32 weight} of a model that DeepSpeed trains in 16 bits without ZeRO. bf16 partitions the
-    masters across the ranks, and `safe_get_full_fp32_param` gathers one (a collective); fp16 keeps them whole
-    on every rank, beside the 16-bit weights they belong to."""
-    optimizer = model.optimizer  # [05]
-    if hasattr(optimizer, "fp32_groups"):  # [05] fp16 with a torch optimizer: DeepSpeed's FP16_UnfusedOptimizer
-        weights, masters = itertools.chain(*optimizer.fp16_groups), itertools.chain(*optimizer.fp32_groups)  # [05]
-        masters = {id(weight): master for weight, master in zip(weights, masters, strict=True)}  # [05]
-        return {name: masters[id(weight)] for name, weight in model.module.named_parameters()}  # [05]
-    return {name: deepspeed.utils.safe_get_full_fp32_param(weight)  # [05]
-            for name, weight in model.module.named_parameters()}  # [05]
+    """{name: fp32 weight} of a model that DeepSpeed trains in 16 bits without ZeRO. Its optimizer wrapper
+    (for a torch optimizer, fp16 or bf16: DeepSpeed's FP16_UnfusedOptimizer) keeps an fp32 master of each
+    16-bit weight, whole on every rank, group by group in the order of the weights."""
+    weights = itertools.chain(*model.optimizer.fp16_groups)  # [05]
+    masters = itertools.chain(*model.optimizer.fp32_groups)  # [05]
+    master_of = {id(weight): master for weight, master in zip(weights, masters, strict=True)}  # [05]
+    return {name: master_of[id(weight)] for name, weight in model.module.named_parameters()}  # [05]
 
 
 def save_checkpoint(args, model, epoch, step):  # [05]

@@ -45,14 +45,14 @@ def main():
     accelerator = Accelerator(  # [06]
         cpu=not torch.cuda.is_available(),  # [06] without it, CPU processes under torchrun would each train alone
         mixed_precision="no" if args.amp == "none" else args.amp,  # [06] autocast, and fp16's loss scaling
-        # The loaders yield global batches; non_blocking: the copies to the GPU from pinned memory do not wait.
+        # The loaders yield global batches; non_blocking: the CPU does not wait for each copy from pinned memory.
         dataloader_config=DataLoaderConfiguration(split_batches=True, non_blocking=True),  # [06]
         kwargs_handlers=[InitProcessGroupKwargs(timeout=datetime.timedelta(minutes=5))],  # [06] 04's short timeout
     )  # [06]
     rank = accelerator.process_index  # [06]
     world_size, device = accelerator.num_processes, accelerator.device  # [06]
     if device.type == "cuda":  # [02]
-        utils.use_deterministic_kernels()  # [02] or --resume drifts from an uninterrupted run; ~6% slower
+        utils.use_deterministic_kernels()  # [02] or --resume drifts from an uninterrupted run
     else:  # [02]
         distributed.print0("no GPU found: training on the CPU")  # [04]
     if args.batch_size % world_size:  # [04] --batch-size is global: each process takes an equal share
@@ -68,7 +68,7 @@ def main():
     # draws a seed from the global RNG, and a resumed run's random numbers would not match an uninterrupted run's.
     train_loader = DataLoader(train_set, batch_size=args.batch_size, sampler=sampler, drop_last=True,  # [06]
                               generator=torch.Generator().manual_seed(args.seed),  # [06]
-                              num_workers=args.num_workers, pin_memory=device.type == "cuda")  # [06] copies overlap
+                              num_workers=args.num_workers, pin_memory=device.type == "cuda")  # [06] see non_blocking
     test_loader = DataLoader(test_set, batch_size=args.batch_size,  # [06] a plain loader: `prepare` shards it
                              num_workers=args.num_workers, pin_memory=device.type == "cuda")  # [06]
 
@@ -101,6 +101,7 @@ def main():
         meter.stop((new_step - step) * args.batch_size)
         step = new_step
         test_loss, test_accuracy, test_samples = evaluate(model, test_loader, device, accelerator)  # [06]
+        utils.check_finite(test_loss, step, "test")  # weights that are no longer numbers: write nothing from them
         history.append({"step": step, "elapsed_seconds": time.perf_counter() - start_time, "train_loss": train_loss,
                         "test_loss": test_loss, "test_accuracy": test_accuracy})
         distributed.print0(  # [04]

@@ -1,6 +1,6 @@
 """One data pipeline for every step: images as uint8 tensors in memory, cheap augmentation.
 
-CIFAR-10 for steps 01-05, MNIST for step 06; both through torchvision, both with a generated
+CIFAR-10 for steps 01-05 and 07, MNIST for step 06; both through torchvision, both with a generated
 stand-in of the same shape (`--synthetic`).
 
 Determinism is the point of this module. The order of the training samples depends only on the
@@ -17,6 +17,7 @@ import math
 import os
 import socket
 import time
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -131,7 +132,7 @@ class BatchLoader:
     On a GPU the next batch is copied on a stream of its own while the current one trains."""
 
     def __init__(self, dataset, batch_size=None, sampler=None, batch_sampler=None, drop_last=False,
-                 device="cpu", num_workers=0):
+                 device="cpu", num_workers=0, persistent_workers=False):
         self.images = dataset.dataset if isinstance(dataset, Subset) else dataset  # its `prepare`
         self.device = device = torch.device(device)
         if batch_sampler is None:
@@ -139,10 +140,10 @@ class BatchLoader:
         self.batch_range = _BatchRange(batch_sampler)
         # batch_size=None: the loader hands each list of indices to the data set whole. Its own generator:
         # otherwise every epoch's iterator draws a seed from the global RNG, and a resumed run's random
-        # numbers would no longer match an uninterrupted run's. Persistent workers: not forked again for
-        # every epoch (the data set's draws are in shared memory, so they see each epoch's).
+        # numbers would no longer match an uninterrupted run's. persistent_workers=True keeps the workers
+        # from epoch to epoch (the data set's draws are in shared memory, so they see each epoch's).
         self.loader = DataLoader(dataset, batch_size=None, sampler=self.batch_range, num_workers=num_workers,
-                                 persistent_workers=num_workers > 0, pin_memory=device.type == "cuda",
+                                 persistent_workers=persistent_workers, pin_memory=device.type == "cuda",
                                  generator=torch.Generator().manual_seed(0))
 
     def __len__(self):
@@ -268,21 +269,29 @@ def _download(dataset_class, root):
 
     Call it before the process group exists: a download can take longer than the group's timeout, and a
     rank left waiting in a collective past it kills the job. A process that waited for another's failed
-    attempt does not try again: on a network that stalls, every try costs its timeouts."""
+    attempt does not try again: on a network that stalls, every try costs its timeouts. A data set that is
+    already there is only checked, without the lock (its directory may be read-only)."""
+    try:
+        dataset_class(root, train=True, download=False)
+        return
+    except RuntimeError:  # not there, or not yet extracted
+        pass
     waiting_since = time.time()
-    with _one_process_at_a_time(root):
-        failed = os.path.join(root, ".download-failed")
-        if os.path.exists(failed) and os.path.getmtime(failed) >= waiting_since:
-            return
-        previous_timeout = socket.getdefaulttimeout()
-        socket.setdefaulttimeout(20)  # seconds without a byte: a network that drops packets would hang forever
-        try:
-            dataset_class(root, train=True, download=True)  # one download holds the training and the test split
-        except (OSError, RuntimeError):
-            with open(failed, "w"):
-                pass
-        finally:
-            socket.setdefaulttimeout(previous_timeout)
+    try:
+        with _one_process_at_a_time(root):
+            failed = Path(root) / ".download-failed"
+            if failed.exists() and failed.stat().st_mtime >= waiting_since:
+                return
+            previous_timeout = socket.getdefaulttimeout()
+            socket.setdefaulttimeout(20)  # seconds without a byte: a network that drops packets would hang forever
+            try:
+                dataset_class(root, train=True, download=True)  # one download holds the training and the test split
+            except (OSError, RuntimeError):
+                failed.touch()
+            finally:
+                socket.setdefaulttimeout(previous_timeout)
+    except PermissionError:  # a directory we may not write to: nothing can be downloaded into it
+        pass
 
 
 def _torchvision_splits(dataset_class, name, root):

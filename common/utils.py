@@ -125,11 +125,11 @@ def set_rng_state(state):
         torch.cuda.set_rng_state(state["cuda"].cpu())
 
 
-def check_finite(loss, step):
+def check_finite(loss, step, which="training"):
     """A run whose loss is no longer a number has diverged: every later step is wasted, and its weights are
     NaN. Stop it with an error before it writes a checkpoint or a model over good ones."""
     if not math.isfinite(loss):
-        raise UsageError(f"the training loss is {loss} at step {step}: the run diverged; "
+        raise UsageError(f"the {which} loss is {loss} at step {step}: the run diverged; "
                          "lower --lr, or raise --batch-size (docs/troubleshooting.md)")
 
 

@@ -25,8 +25,10 @@ MNIST_LR = ["--lr", "0.05"]
 # than fp32, and most CPUs emulate fp16: a smoke run of ResNet-9 at its default width took 100-145 s there.
 # The 16-bit runs train it at half the width (a quarter of the FLOPs, still learning in SMOKE_STEPS steps),
 # under a timeout with room for a CPU twice as slow again.
-HALF_WIDTH = ["--width", "16"]
-LOW_PRECISION_TIMEOUT = 600
+def sized_for(amp):
+    """(extra arguments, timeout, width) of a smoke run in `amp`: half the width and a 10-minute timeout in
+    16 bits, ResNet-9's default width and 3 minutes in fp32."""
+    return (["--width", "16"], 600, 16) if amp != "none" else ([], 180, 32)
 
 
 def _children():

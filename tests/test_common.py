@@ -11,7 +11,7 @@ from data_dirs import mnist_data_dir
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.data.distributed import DistributedSampler
 
-from common import data, models, utils
+from common import data, flags, models, utils
 
 
 @pytest.fixture(scope="module")
@@ -261,19 +261,22 @@ def test_a_resumed_epoch_skips_batches_without_loading_them(synthetic):
 
 
 def test_persistent_workers_see_each_epochs_augmentation(synthetic):
-    """BatchLoader keeps its worker processes from epoch to epoch; the draws of `set_epoch` must reach them."""
+    """With persistent_workers=True, BatchLoader keeps its worker processes from epoch to epoch: the draws of
+    `set_epoch` must reach them (a copy of the draws made when they started would repeat epoch 0's)."""
     train_set, _ = synthetic
     sampler = data.EpochShuffleSampler(train_set, seed=1)
-    persistent = data.BatchLoader(train_set, 64, sampler=sampler, num_workers=2)
-    assert persistent.loader.persistent_workers
+    persistent = data.BatchLoader(train_set, 64, sampler=sampler, num_workers=2, persistent_workers=True)
     epochs = []
-    for epoch in range(2):
-        sampler.set_epoch(epoch)
-        train_set.set_epoch(epoch)
-        epochs.append([images for images, _ in itertools.islice(persistent, 3)])
-    fresh = [images for images, _ in itertools.islice(data.BatchLoader(train_set, 64, sampler=sampler), 3)]
+    try:
+        for epoch in range(2):
+            sampler.set_epoch(epoch)
+            train_set.set_epoch(epoch)
+            epochs.append([images for images, _ in itertools.islice(persistent, 3)])
+        fresh = [images for images, _ in itertools.islice(data.BatchLoader(train_set, 64, sampler=sampler), 3)]
+    finally:
+        train_set.set_epoch(0)  # the module's other tests expect epoch 0's draws
     assert all(torch.equal(a, b) for a, b in zip(epochs[1], fresh, strict=True))
-    train_set.set_epoch(0)  # the module's other tests expect epoch 0's draws
+    assert not torch.equal(epochs[0][0], epochs[1][0])
 
 
 def test_a_checkpoint_restores_on_fewer_visible_gpus(monkeypatch):
@@ -320,6 +323,8 @@ def test_one_process_downloads_while_the_others_wait(tmp_path):
 
     class FailingDownload:
         def __init__(self, root, train, download):
+            if not download:
+                raise RuntimeError("Dataset not found")  # as torchvision's classes say it
             assert not running, "two downloads at once"
             running.append(1)
             attempts.append(root)
@@ -336,3 +341,11 @@ def test_one_process_downloads_while_the_others_wait(tmp_path):
     assert len(attempts) == 1
     data._download(FailingDownload, str(tmp_path))  # a later run tries again
     assert len(attempts) == 2
+
+
+@pytest.mark.parametrize("argv, lr", [([], 0.2), (["--batch-size", "64"], 0.05),
+                                      (["--batch-size", "64", "--lr", "0.3"], 0.3)])
+def test_the_default_learning_rate_follows_the_global_batch(argv, lr):
+    """0.2 at the default global batch of 256, scaled linearly; a given --lr is kept as it is."""
+    parser = flags.build_parser("04_cifar10_ddp.py", "", epochs=10, batch_size=256, lr=0.2)
+    assert parser.parse_args(argv).lr == pytest.approx(lr)

@@ -11,11 +11,14 @@ import json
 
 import parity
 import pytest
+import torch
 from data_dirs import tiny_cifar10
-from jobs import HALF_WIDTH, LOW_PRECISION_TIMEOUT, SMOKE_ARGS, SYNTHETIC_ARGS, run_job
+from jobs import SHORT_RUN_ARGS, SMOKE_ARGS, SYNTHETIC_ARGS, run_job, sized_for
 from launch import LAUNCHERS, ON_GPU, python, torchrun
-from outputs import assert_same_weights, check_ok, check_one_error, check_smoke_run, read_metrics
+from outputs import assert_same_weights, check_ok, check_one_error, check_smoke_run, load_state, read_metrics
 from resume import END_STEP, check_exact_resume
+
+from common import models
 
 SCRIPT = "05_cifar10_deepspeed.py"
 
@@ -44,15 +47,27 @@ def deepspeed_op():
 ])
 def test_deepspeed_step(launcher, nproc, zero_stage, amp, request, tmp_path):
     stage_args = [] if zero_stage is None else ["--zero-stage", zero_stage]
-    size, timeout = (HALF_WIDTH, LOW_PRECISION_TIMEOUT) if amp != "none" else ([], 180)
+    size, timeout, width = sized_for(amp)
     result = check_ok(launch(launcher, nproc, *SMOKE_ARGS, *size, *stage_args, "--amp", amp, "--output-dir", tmp_path,
                              timeout=timeout))
-    metrics = check_smoke_run(tmp_path, SCRIPT, world_size=nproc, amp=amp, width=16 if size else 32)
+    metrics = check_smoke_run(tmp_path, SCRIPT, world_size=nproc, amp=amp, width=width)
     assert metrics["zero_stage"] == (2 if zero_stage is None else zero_stage)
     assert result.stdout.count("epoch 1/1") == 1  # rank 0 alone prints
     if nproc == 2 and not ON_GPU:
         # The engine takes exactly DDP's steps: same batches, same averaged gradients, same SGD.
         assert_same_weights(tmp_path / "model.pt", request.getfixturevalue("ddp_weights"))
+
+
+def test_model_pt_without_zero_holds_the_fp32_masters(tmp_path):
+    """ZeRO-0 in bf16: the module's weights are bf16 roundings; model.pt must hold the optimizer wrapper's fp32
+    masters, which after a few steps are not bf16 numbers."""
+    data_dir = tiny_cifar10(tmp_path / "data", 96, 10)
+    check_ok(launch("torchrun", 2, "--data-dir", data_dir, *SHORT_RUN_ARGS, "--max-steps", 3, "--zero-stage", 0,
+                    "--amp", "bf16", "--width", 8, "--output-dir", tmp_path / "out"))
+    state = load_state(tmp_path / "out" / "model.pt")
+    weights = [name for name, _ in models.ResNet9(width=8).named_parameters()]
+    rounded = [name for name in weights if torch.equal(state[name], state[name].bfloat16().float())]
+    assert not rounded, f"bf16 roundings in model.pt: {rounded}"
 
 
 def test_resume_with_zero3_matches_uninterrupted_run(tmp_path):

@@ -6,7 +6,7 @@ in tests/test_resume.py."""
 import re
 
 import pytest
-from jobs import HALF_WIDTH, LOW_PRECISION_TIMEOUT, SMOKE_ARGS, SYNTHETIC_ARGS, run_job
+from jobs import SMOKE_ARGS, SYNTHETIC_ARGS, run_job, sized_for
 from launch import ON_GPU, python, torchrun
 from outputs import assert_same_weights, check_ok, check_one_error, check_smoke_run
 from resume import END_STEP, check_exact_resume
@@ -16,11 +16,10 @@ SCRIPT = "07_cifar10_fsdp.py"
 
 @pytest.mark.parametrize("nproc, amp", [(2, "none"), (3, "bf16")])
 def test_fsdp_step(nproc, amp, request, tmp_path):
-    size, timeout = (HALF_WIDTH, LOW_PRECISION_TIMEOUT) if amp != "none" else ([], 180)
+    size, timeout, width = sized_for(amp)
     result = check_ok(run_job(torchrun(nproc, SCRIPT, *SMOKE_ARGS, *size, "--amp", amp, "--output-dir", tmp_path),
                               timeout=timeout))
-    # model.pt: the whole model, in fp32
-    check_smoke_run(tmp_path, SCRIPT, world_size=nproc, amp=amp, width=16 if size else 32)
+    check_smoke_run(tmp_path, SCRIPT, world_size=nproc, amp=amp, width=width)  # model.pt: the whole model, in fp32
     assert result.stdout.count("epoch 1/1") == 1  # rank 0 alone prints
     if nproc == 2 and not ON_GPU:
         # Sharded, 07 takes exactly 04's steps: the same batches, the same averaged gradients

@@ -2,22 +2,22 @@
 
 import pytest
 from data_dirs import tiny_cifar10
-from jobs import HALF_WIDTH, LOW_PRECISION_TIMEOUT, SHORT_RUN_ARGS, SMOKE_ARGS, run_job
+from jobs import SHORT_RUN_ARGS, SMOKE_ARGS, run_job, sized_for
 from launch import ON_GPU, python, torchrun
 from outputs import check_ok, check_smoke_run, read_metrics
 
 
 @pytest.mark.parametrize("script, extra", [
     ("01_cifar10_cpu.py", ["--num-workers", "2"]),  # the default loader, with worker processes
-    ("02_cifar10_gpu.py", ["--amp", "bf16", *HALF_WIDTH]),
-    ("02_cifar10_gpu.py", ["--amp", "fp16", *HALF_WIDTH]),  # torch scales fp16 losses on the CPU too
+    ("02_cifar10_gpu.py", ["--amp", "bf16"]),
+    ("02_cifar10_gpu.py", ["--amp", "fp16"]),  # torch scales fp16 losses on the CPU too
     ("03_cifar10_dataparallel.py", []),
 ])
 def test_single_process_step(script, extra, tmp_path):
     amp = extra[1] if "--amp" in extra else "none"
-    timeout = LOW_PRECISION_TIMEOUT if amp != "none" else 120
-    result = check_ok(run_job(python(script, *SMOKE_ARGS, "--output-dir", tmp_path, *extra), timeout=timeout))
-    check_smoke_run(tmp_path, script, world_size=1, amp=amp, width=16 if amp != "none" else 32)
+    size, timeout, width = sized_for(amp)
+    result = check_ok(run_job(python(script, *SMOKE_ARGS, *size, "--output-dir", tmp_path, *extra), timeout=timeout))
+    check_smoke_run(tmp_path, script, world_size=1, amp=amp, width=width)
     if script != "01_cifar10_cpu.py":
         assert ("no GPU found" in result.stdout) != ON_GPU
 
