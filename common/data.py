@@ -342,8 +342,8 @@ def load_cifar10(root, synthetic, seed=0):
 
 def download_mnist(root):
     """Download MNIST into `root` (as `root/MNIST/raw/`) if it is not there (best effort, before the
-    process group: see `_download`). With the four official archives already in `root/MNIST/raw/`, torchvision checks
-    their md5 and extracts them, offline."""
+    process group: see `_download`). With the four official archives already in `root/MNIST/raw/`,
+    torchvision checks their md5 and extracts them, offline."""
     import torchvision
 
     _download(torchvision.datasets.MNIST, root)
