@@ -328,7 +328,7 @@ def test_one_process_downloads_while_the_others_wait(tmp_path):
             assert not running, "two downloads at once"
             running.append(1)
             attempts.append(root)
-            time.sleep(0.5)
+            time.sleep(2)  # long enough for the other threads to be waiting for the lock, on a busy machine too
             running.pop()
             raise RuntimeError("no network")
 
