@@ -5,9 +5,8 @@ the GPU (tests/test_gpu.py reads the report).
 
 On stderr, one line per synchronising call: `sync: FILE:LINE FUNCTION | LIBRARY_FILE:LINE`, the innermost
 frame of this repository's code (absolute paths) and the innermost Python frame of all (where a library
-synchronised). A loop
-that hides a synchronisation (a copy from pageable memory, a `.item()`, a tensor's truth value) waits for
-the GPU at every step, and the GPU idles while the CPU queues the next one.
+synchronised). A loop that hides a synchronisation (a copy from pageable memory, a `.item()`, a
+tensor's truth value) waits for the GPU at every step, and the GPU idles while the CPU queues the next one.
 """
 
 import os

@@ -156,10 +156,8 @@ def test_a_diverged_run_is_an_error(step, launch, tmp_path):
     """A learning rate far too high: the loss is no longer a number by the first check (step 10). The run
     stops there on every rank with one line, exits non-zero, and writes neither a checkpoint of NaN weights
     nor outputs that look like a success."""
-    data_dir = tiny_cifar10(tmp_path / "data", 480, 10)
-    args = ["--data-dir", data_dir, *SHORT_RUN_ARGS, "--lr", 1e6, "--save-every", 10, "--output-dir", tmp_path / "out"]
-    if step == "06":
-        args = ["--synthetic", *SHORT_RUN_ARGS, "--lr", 1e6, "--save-every", 10, "--output-dir", tmp_path / "out"]
+    data_set = ["--synthetic"] if step == "06" else ["--data-dir", tiny_cifar10(tmp_path / "data", 480, 10)]
+    args = [*data_set, *SHORT_RUN_ARGS, "--lr", 1e6, "--save-every", 10, "--output-dir", tmp_path / "out"]
     line = check_one_error(run_job(launch(*args), timeout=120))
     assert re.fullmatch(r"error: the training loss is (nan|inf) at step 10: the run diverged; lower --lr, or raise "
                         r"--batch-size \(docs/troubleshooting.md\)", line), line
