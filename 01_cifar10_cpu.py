@@ -16,6 +16,7 @@ import time
 
 import torch
 import torch.nn.functional as F
+from torch.utils.data import DistributedSampler
 from tqdm import tqdm
 
 from common import data, flags, models, utils
@@ -37,7 +38,8 @@ def main():
     train_set, test_set = data.load_cifar10(args.data_dir, args.synthetic, seed=args.seed)
     if args.batch_size > len(train_set):
         raise utils.UsageError(f"--batch-size {args.batch_size} is larger than the training set ({len(train_set)})")
-    sampler = data.EpochShuffleSampler(train_set, seed=args.seed)
+    # One process, the order that 04 splits between ranks: step i trains on the same samples at any world size.
+    sampler = DistributedSampler(train_set, num_replicas=1, rank=0, seed=args.seed)
     # Whole batches, cut and augmented on `device` in a few tensor operations (docs/data-and-model.md).
     train_loader = data.BatchLoader(train_set, args.batch_size, sampler=sampler, drop_last=True,
                                     device=device, num_workers=args.num_workers)

@@ -23,7 +23,7 @@ import time
 import launch
 import torch
 import torch.nn.functional as F
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, DistributedSampler
 from torch.utils.flop_counter import FlopCounterMode
 
 sys.path.insert(0, str(launch.ROOT))  # common/ is beside benchmarks/
@@ -94,7 +94,7 @@ def main():
     amp_dtype = flags.AMP_DTYPES[args.amp]  # fp16 runs on a CPU too, as in 02 (slowly: docs/mixed-precision.md)
 
     train_set, _ = data.load_cifar10(args.data_dir, synthetic=args.data_dir is None)
-    sampler = data.EpochShuffleSampler(train_set)
+    sampler = DistributedSampler(train_set, num_replicas=1, rank=0)
     loader = data.BatchLoader(train_set, args.batch_size, sampler=sampler, drop_last=True, device=device)
     model = models.ResNet9(width=args.width).to(device)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9, nesterov=True, weight_decay=5e-4)

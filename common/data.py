@@ -4,8 +4,8 @@ CIFAR-10 for steps 01-05 and 07, MNIST for step 06; both through torchvision, bo
 stand-in of the same shape (`--synthetic`).
 
 Determinism is the point of this module. The order of the training samples depends only on the
-seed and the epoch (`EpochShuffleSampler` gives exactly the order that `DistributedSampler` splits
-between ranks), and so do the augmentation draws (`ImageDataset.set_epoch`). So the samples of
+seed and the epoch (`DistributedSampler`: 01-03 use it with one replica, the order that the other steps
+split between ranks), and so do the augmentation draws (`ImageDataset.set_epoch`). So the samples of
 optimizer step i are the same whatever the world size, a distributed run can be checked against a
 single-process run, and a resumed run can pick up in the middle of an epoch.
 """
@@ -177,26 +177,6 @@ class BatchLoader:
                     tensor.record_stream(compute_stream)
                 yield self.images.prepare(*tensors)
             previous = (copied, copy_done) if batch is not None else None
-
-
-class EpochShuffleSampler(Sampler):
-    """A new random order every epoch, determined by (seed, epoch): the order `DistributedSampler`
-    uses, so that rank r of W processes sees every W-th sample of exactly this sequence."""
-
-    def __init__(self, dataset, seed=0):
-        self.num_samples = len(dataset)
-        self.seed = seed
-        self.epoch = 0
-
-    def set_epoch(self, epoch):
-        self.epoch = epoch
-
-    def __iter__(self):
-        generator = torch.Generator().manual_seed(self.seed + self.epoch)
-        return iter(torch.randperm(self.num_samples, generator=generator).tolist())
-
-    def __len__(self):
-        return self.num_samples
 
 
 def _channel_stats(images):

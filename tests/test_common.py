@@ -37,7 +37,7 @@ def test_global_batches_do_not_depend_on_world_size(world_size):
     """Step i's global batch holds the same samples at any world size (DistributedSampler + drop_last)."""
     dataset = range(1001)
     global_batch, epoch = 24, 3
-    single = data.EpochShuffleSampler(dataset, seed=7)
+    single = DistributedSampler(dataset, num_replicas=1, rank=0, seed=7)
     single.set_epoch(epoch)
     order = list(single)
     per_rank = []
@@ -79,7 +79,7 @@ def test_batches_are_the_samples_prepared_one_by_one(synthetic, num_workers):
     train_set, test_set = synthetic
     epoch, batch_size = 3, 64
     train_set.set_epoch(epoch)
-    sampler = data.EpochShuffleSampler(train_set, seed=0)
+    sampler = DistributedSampler(train_set, num_replicas=1, rank=0, seed=0)
     sampler.set_epoch(epoch)
     order = list(sampler)
     # Batches that mix shifts and flips: a gather that mixed up images would show.
@@ -224,7 +224,8 @@ def test_only_the_batch_crosses_to_the_device(synthetic):
     the normalisation constants are copied once (on a GPU, a copy from pageable memory in every batch
     makes the CPU wait for the GPU). The `meta` device stands in for a GPU: the same copies, no data."""
     train_set, _ = synthetic
-    loader = data.BatchLoader(train_set, 64, sampler=data.EpochShuffleSampler(train_set), device="meta")
+    sampler = DistributedSampler(train_set, num_replicas=1, rank=0)
+    loader = data.BatchLoader(train_set, 64, sampler=sampler, device="meta")
     with CopiesToDevice() as copies:
         batches = sum(1 for _ in itertools.islice(loader, 5))
     per_batch = [(64, 3, 32, 32), (64,), (64, 2), (64,)]
@@ -252,7 +253,7 @@ class CountedLoads(torch.utils.data.Dataset):
 def test_a_resumed_epoch_skips_batches_without_loading_them(synthetic):
     train_set, _ = synthetic
     counted = CountedLoads(train_set)
-    sampler = data.EpochShuffleSampler(train_set, seed=3)
+    sampler = DistributedSampler(train_set, num_replicas=1, rank=0, seed=3)
     whole_epoch = [images for images, _ in data.BatchLoader(counted, 24, sampler=sampler, drop_last=True)]
     counted.loaded.clear()
     resumed = [images for images, _ in data.BatchLoader(counted, 24, sampler=sampler, drop_last=True).batches(7, 10)]
@@ -264,7 +265,7 @@ def test_persistent_workers_see_each_epochs_augmentation(synthetic):
     """With persistent_workers=True, BatchLoader keeps its worker processes from epoch to epoch: the draws of
     `set_epoch` must reach them (a copy of the draws made when they started would repeat epoch 0's)."""
     train_set, _ = synthetic
-    sampler = data.EpochShuffleSampler(train_set, seed=1)
+    sampler = DistributedSampler(train_set, num_replicas=1, rank=0, seed=1)
     persistent = data.BatchLoader(train_set, 64, sampler=sampler, num_workers=2, persistent_workers=True)
     epochs = []
     try:

@@ -20,6 +20,7 @@ from jobs import MNIST_LR, SMOKE_ARGS, SMOKE_STEPS, run_job
 from launch import ON_GPU, python, torchrun
 from outputs import check_ok, check_smoke_run
 from resume import check_exact_resume
+from torch.utils.data import DistributedSampler
 
 from common import data, models
 
@@ -68,7 +69,7 @@ def test_the_loop_does_not_wait_for_the_gpu(step, amp, tmp_path):
 def test_the_pipeline_gives_the_same_batches_on_cuda(tmp_path):
     train_set, _ = data.load_cifar10(None, synthetic=True, seed=0)
     train_set.set_epoch(2)
-    sampler = data.EpochShuffleSampler(train_set, seed=0)
+    sampler = DistributedSampler(train_set, num_replicas=1, rank=0, seed=0)
     on_cpu = list(data.BatchLoader(train_set, 64, sampler=sampler, num_workers=2))
     on_gpu = list(data.BatchLoader(train_set, 64, sampler=sampler, device="cuda", num_workers=2))
     assert len(on_cpu) == len(on_gpu)
