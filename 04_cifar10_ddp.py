@@ -35,8 +35,7 @@ def parse_args():
 def main():
     args = parse_args()
     utils.seed_everything(args.seed)
-    # torchrun starts one process per GPU and tells each its rank, its local rank on this machine (the
-    # GPU it drives) and the world size. The seed above is the same on every rank: so are the weights.
+    # torchrun tells each process its rank, its local rank (the GPU it drives) and the world size.
     distributed.default_to_a_world_of_one()  # [04] started by plain `python`
     rank, local_rank, world_size = (int(os.environ[name]) for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE"))  # [04]
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # [02]
@@ -52,18 +51,16 @@ def main():
                                f"by the world size {world_size}")  # [04]
     batch_size = args.batch_size // world_size  # [04]
 
-    # Before the process group: a download can take longer than the group's timeout. Every process calls it;
-    # one downloads while the others on its machine wait for the files (a lock in --data-dir).
+    # Before the process group, whose timeout a slow download would outlast (one process per machine downloads).
     if not args.synthetic:
         data.download_cifar10(args.data_dir)
-    # A short timeout: a rank that dies, or waits for a peer that never comes, fails the job in
-    # minutes instead of after gloo's default 30.
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=datetime.timedelta(minutes=5))  # [04]
+    # 5 minutes, not 30: a job whose rank died fails soon. device_id: NCCL joins this process's GPU now.
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=datetime.timedelta(minutes=5),  # [04]
+                            device_id=torch.device("cuda", local_rank) if device.type == "cuda" else None)  # [04]
     train_set, test_set = data.load_cifar10(args.data_dir, args.synthetic, seed=args.seed)
     if args.batch_size > len(train_set):
         raise utils.UsageError(f"--batch-size {args.batch_size} is larger than the training set ({len(train_set)})")
-    # Every rank shuffles with the same seed and keeps every world_size-th sample: the ranks' batches are
-    # disjoint, and together they are the global batch that 01-03 take.
+    # Every rank shuffles alike and keeps every world_size-th sample: disjoint shares of 01's global batch.
     sampler = DistributedSampler(train_set, num_replicas=world_size, rank=rank, seed=args.seed, drop_last=True)  # [04]
     # Whole batches, cut and augmented on `device` in a few tensor operations (docs/data-and-model.md).
     train_loader = data.BatchLoader(train_set, batch_size, sampler=sampler, drop_last=True,  # [04]
@@ -74,8 +71,7 @@ def main():
     test_loader = data.BatchLoader(test_shard, batch_size, device=device, num_workers=args.num_workers)  # [04]
 
     model = models.ResNet9(norm=args.norm, width=args.width).to(device)
-    # DDP broadcasts rank 0's weights at start, then all-reduces (averages) the gradients during
-    # backward, so every rank takes the same optimizer step and the replicas stay identical.
+    # DDP broadcasts rank 0's weights, then averages the gradients in backward: the replicas stay identical.
     model = DistributedDataParallel(model, device_ids=[local_rank] if device.type == "cuda" else None)  # [04]
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9, nesterov=True, weight_decay=5e-4)
     total_steps = args.epochs * len(train_loader)
@@ -158,8 +154,7 @@ def train_one_epoch(args, model, loader, optimizer, scheduler,
         loss_sum += loss.detach()
         checkpoint_due = args.save_every and (step % args.save_every == 0 or step == last_step)
         if step % 10 == 0 or step == last_step or checkpoint_due:  # reading the loss waits for the step to finish
-            # The mean over ranks: every rank must run the all-reduce, not only rank 0, which shows it. Every
-            # rank gets the same value: a diverged run stops on all of them at the same step.
+            # Every rank runs the all-reduce, not rank 0 alone: a diverged run stops on all at the same step.
             logged_loss = distributed.all_reduce_mean(loss).item()  # [04]
             utils.check_finite(logged_loss, step)  # a diverged run stops here, before it saves its NaN weights
             progress.set_postfix(loss=f"{logged_loss:.3f}")
