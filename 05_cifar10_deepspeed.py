@@ -17,7 +17,6 @@ Next: 06_mnist_accelerate.py writes the loop once for any launcher, with Acceler
 """
 
 import datetime  # [04]
-import itertools  # [05]
 import os
 import time
 
@@ -48,8 +47,7 @@ def main():
     args = parse_args()
     utils.seed_everything(args.seed)
     config = utils.read_json(args.deepspeed_config, "--deepspeed-config")  # [05]
-    # torchrun starts one process per GPU and tells each its rank, its local rank on this machine (the
-    # GPU it drives) and the world size. The seed above is the same on every rank: so are the weights.
+    # torchrun tells each process its rank, its local rank (the GPU it drives) and the world size.
     distributed.default_to_a_world_of_one()  # [04] started by plain `python`
     rank, local_rank, world_size = (int(os.environ[name]) for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE"))  # [04]
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # [02]
@@ -59,9 +57,7 @@ def main():
         utils.use_deterministic_kernels()  # [02] or --resume drifts from an uninterrupted run
     else:  # [02]
         distributed.print0("no GPU found: training on the CPU")  # [04]
-    # DeepSpeed's fp16 and bf16 turn the weights themselves into 16 bits (the optimizer keeps fp32
-    # master copies), instead of autocast: the inputs are cast to match (without --amp, to the weights' default dtype).
-    amp_dtype = flags.AMP_DTYPES[args.amp] or torch.get_default_dtype()  # [05]
+    amp_dtype = flags.AMP_DTYPES[args.amp]  # [02] None: plain fp32
     if args.batch_size % world_size:  # [04] --batch-size is global: each process takes an equal share
         raise utils.UsageError(f"--batch-size {args.batch_size} is not divisible "  # [04]
                                f"by the world size {world_size}")  # [04]
@@ -72,18 +68,16 @@ def main():
                                f"{world_size} times --gradient_accumulation_steps {accumulation_steps}")  # [05]
     batch_size //= accumulation_steps  # [05] the micro-batch: one forward and backward pass on one process
 
-    # Before the process group: a download can take longer than the group's timeout. Every process calls it;
-    # one downloads while the others on its machine wait for the files (a lock in --data-dir).
+    # Before the process group, whose timeout a slow download would outlast (one process per machine downloads).
     if not args.synthetic:
         data.download_cifar10(args.data_dir)
-    # A short timeout: a rank that dies, or waits for a peer that never comes, fails the job in
-    # minutes instead of after gloo's default 30.
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=datetime.timedelta(minutes=5))  # [04]
+    # 5 minutes, not 30: a job whose rank died fails soon. device_id: NCCL joins this process's GPU now.
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=datetime.timedelta(minutes=5),  # [04]
+                            device_id=torch.device("cuda", local_rank) if device.type == "cuda" else None)  # [04]
     train_set, test_set = data.load_cifar10(args.data_dir, args.synthetic, seed=args.seed)
     if args.batch_size > len(train_set):
         raise utils.UsageError(f"--batch-size {args.batch_size} is larger than the training set ({len(train_set)})")
-    # Every rank shuffles with the same seed and keeps every world_size-th sample: the ranks' batches are
-    # disjoint, and together they are the global batch that 01-03 take.
+    # Every rank shuffles alike and keeps every world_size-th sample: disjoint shares of 01's global batch.
     sampler = DistributedSampler(train_set, num_replicas=world_size, rank=rank, seed=args.seed, drop_last=True)  # [04]
     # Whole batches, cut and augmented on `device` in a few tensor operations (docs/data-and-model.md).
     train_loader = data.BatchLoader(train_set, batch_size, sampler=sampler, drop_last=True,  # [04]
@@ -108,10 +102,10 @@ def main():
     # (DeepSpeed checks train_batch_size = micro batch x gradient accumulation steps x world size).
     config.update(train_batch_size=args.batch_size, train_micro_batch_size_per_gpu=batch_size,  # [05]
                   gradient_accumulation_steps=accumulation_steps)  # [05]
-    config.setdefault("fp16", {})["enabled"] = args.amp == "fp16"  # [05] dynamic loss scaling: see the config
-    config.setdefault("bf16", {})["enabled"] = args.amp == "bf16"  # [05]
-    if args.amp != "none":  # [05] DeepSpeed casts only the parameters; BatchNorm's statistics must match
-        config.setdefault("data_types", {})["buffer_dtype"] = args.amp  # [05]
+    # torch.autocast, not DeepSpeed's "bf16" and "fp16", which cast the model (BatchNorm's statistics too) to
+    # 16 bits. The engine runs its forward pass in the config's autocast, and would turn ours off without it.
+    if amp_dtype is not None:  # [05]
+        config["torch_autocast"] = {"enabled": True, "dtype": args.amp}  # [05] fp16: the engine's GradScaler
     if args.zero_stage is not None:  # [05]
         config.setdefault("zero_optimization", {})["stage"] = args.zero_stage  # [05]
     # The engine broadcasts rank 0's weights, wraps the optimizer (for ZeRO and 16 bits), averages the
@@ -166,16 +160,12 @@ def main():
         "history": history,
     }
     if rank == 0:  # [04] one writer. No collective in here: the other ranks would never join it.
-        # model.pt holds fp32 weights. Under ZeRO they exist only as the ranks' shards of the optimizer
-        # state (the module's copies are 16-bit with --amp, and empty under ZeRO-3): DeepSpeed's
-        # zero_to_fp32, its offline converter, reassembles them from the final checkpoint.
-        if model.zero_optimization_stage() > 0:  # [05]
+        # Under ZeRO-3 each rank holds a shard of the weights only: DeepSpeed's zero_to_fp32, its offline
+        # converter, reassembles them from the final checkpoint. The weights stay fp32 under --amp.
+        if model.zero_optimization_stage() == 3:  # [05]
             state_dict = get_fp32_state_dict_from_zero_checkpoint(os.path.join(args.output_dir, "checkpoints"))  # [05]
-        else:  # [05] no ZeRO: every rank holds the whole model, in model.module
+        else:  # [05] ZeRO-0 to 2: every rank holds the whole model, in model.module
             state_dict = model.module.state_dict()  # [05]
-            if args.amp != "none":  # [05] its weights are 16-bit roundings of the optimizer wrapper's fp32 masters
-                state_dict.update(fp32_master_weights(model))  # [05]
-        state_dict = {name: t.float() if t.is_floating_point() else t for name, t in state_dict.items()}  # [05]
         utils.save_atomic(state_dict, os.path.join(args.output_dir, "model.pt"))  # [05]
         utils.write_json(metrics, os.path.join(args.output_dir, "metrics.json"))  # [04]
     # Leave together: a gloo rank that tears down its connections while rank 0 is still writing can abort.
@@ -193,9 +183,8 @@ def train_one_epoch(args, model, loader, accumulation_steps, steps_per_epoch,  #
     progress = tqdm(loader.batches(done, end), total=end - done,
                     desc=f"epoch {epoch + 1}", leave=False, disable=dist.get_rank() != 0)  # [04]
     for images, labels in progress:
-        images = images.to(amp_dtype)  # [05]
-        # The loss in fp32, whatever the dtype of the weights.
-        loss = F.cross_entropy(model(images).float(), labels, label_smoothing=args.label_smoothing)  # [05]
+        with torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None):  # [02]
+            loss = F.cross_entropy(model(images), labels, label_smoothing=args.label_smoothing)  # [02]
         boundary = model.is_gradient_accumulation_boundary()  # [05] the Nth micro-batch? Ask before step() counts it
         model.backward(loss)  # [05] scales the loss by 1/N (and for fp16), adds to the gradients, averages them
         model.step()  # [05] at the Nth: optimizer step and schedule (skipped if fp16 overflowed), zero_grad
@@ -205,8 +194,7 @@ def train_one_epoch(args, model, loader, accumulation_steps, steps_per_epoch,  #
         step += 1
         checkpoint_due = step == last_step or args.save_every and step % args.save_every == 0  # [05]
         if step % 10 == 0 or step == last_step or checkpoint_due:  # reading the loss waits for the step to finish
-            # The mean over ranks: every rank must run the all-reduce, not only rank 0, which shows it. Every
-            # rank gets the same value: a diverged run stops on all of them at the same step.
+            # Every rank runs the all-reduce, not rank 0 alone: a diverged run stops on all at the same step.
             logged_loss = distributed.all_reduce_mean(loss).item()  # [04]
             utils.check_finite(logged_loss, step)  # a diverged run stops here, before it saves its NaN weights
             progress.set_postfix(loss=f"{logged_loss:.3f}")
@@ -225,24 +213,14 @@ def evaluate(model, loader, device, amp_dtype, tta):  # [02]
     distributed.broadcast_buffers(model.module)  # [04]
     totals = torch.zeros(3, dtype=torch.float64, device=device)  # loss sum, correct, samples
     for images, labels in loader:
-        images = images.to(amp_dtype)  # [05]
-        logits = models.predict(model, images, flip=tta)  # [05]
+        with torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None):  # [02]
+            logits = models.predict(model, images, flip=tta)  # [05] the engine: under ZeRO-3 it gathers the weights
         totals[0] += F.cross_entropy(logits.float(), labels, reduction="sum")
         totals[1] += (logits.argmax(dim=1) == labels).sum()
         totals[2] += len(labels)
     dist.all_reduce(totals)  # [04] sums over ranks: each holds the totals of its own slice
     loss_sum, correct, samples = totals.tolist()
     return loss_sum / samples, correct / samples, int(samples)
-
-
-def fp32_master_weights(model):  # [05]
-    """{name: fp32 weight} of a model that DeepSpeed trains in 16 bits without ZeRO. Its optimizer wrapper
-    (for a torch optimizer, fp16 or bf16: DeepSpeed's FP16_UnfusedOptimizer) keeps an fp32 master of each
-    16-bit weight, whole on every rank, group by group in the order of the weights."""
-    weights = itertools.chain(*model.optimizer.fp16_groups)  # [05]
-    masters = itertools.chain(*model.optimizer.fp32_groups)  # [05]
-    master_of = {id(weight): master for weight, master in zip(weights, masters, strict=True)}  # [05]
-    return {name: master_of[id(weight)] for name, weight in model.module.named_parameters()}  # [05]
 
 
 def save_checkpoint(args, model, epoch, step):  # [05]
@@ -272,7 +250,7 @@ def load_checkpoint(args, model):  # [05]
     """Restore `save_checkpoint`'s state; returns the step and the epoch to continue from."""
     directory = os.path.join(args.output_dir, "checkpoints")  # [05]
     # One clear error, the same on every rank, for no checkpoint or shards written by another world size.
-    utils.check_zero_shards(directory, dist.get_world_size())  # [05] shards fit only the world that wrote them
+    utils.check_zero_shards(directory, dist.get_world_size())  # [05] see its docstring
     _, checkpoint = model.load_checkpoint(directory)  # [05] every rank reads its own shard of `latest`
     utils.check_resumable(checkpoint, batch_size=args.batch_size, epochs=args.epochs, seed=args.seed, width=args.width)
     utils.set_rng_state(checkpoint["rng"])
