@@ -4,6 +4,7 @@ Errors, seeding, deterministic kernels, RNG state, atomic writes, JSON settings 
 meter. The distributed helpers live in `common/distributed.py`.
 """
 
+import gc
 import glob
 import json
 import math
@@ -54,33 +55,26 @@ def run(main):
     error through `record` and names the first in its failure table, so under torchrun the workers
     print nothing. Without torchrun, the first process of each machine prints the line.
 
-    A process that gets this far ends at once, without Python's interpreter shutdown: see `_exit`.
+    The process then ends as any Python program does: `atexit` handlers run (logging, TensorBoard and
+    W&B flush there). One thing must come first. A gloo process group that is still alive when Python
+    shuts down can abort the process after a run that succeeded ("terminate called without an active
+    exception", SIGABRT): its threads may still be releasing the last collective's tensors, and Python's
+    shutdown stops any thread that asks for the GIL by unwinding it through C++ code. So the group is
+    destroyed here if `main()` left it alive, and the wrappers that hold it (DDP, FSDP, DeepSpeed's
+    engine) are freed first: the collector frees those caught in reference cycles.
+    `tests/test_faults.py` runs a script that ends right after an all-reduce through this function.
     """
+    status = 0
     try:
         record(main, error_handler=_OneLineErrorHandler())()
     except (UsageError, dist.DistNetworkError) as error:
         if not os.environ.get("TORCHELASTIC_ERROR_FILE") and os.environ.get("LOCAL_RANK", "0") == "0":
             print(_error_line(error), file=sys.stderr, flush=True)
-        if dist.is_available() and dist.is_initialized():
-            dist.destroy_process_group()
-        _exit(2)
-    _exit(0)
-
-
-def _exit(status):
-    """End the process now, with `status`, skipping the interpreter's shutdown.
-
-    A process group outlives `destroy_process_group()` whenever DDP or DeepSpeed still holds it (torch
-    2.14.1): its gloo threads are still there when main() returns, and one may still be releasing the
-    tensors of the last collective. Python's shutdown stops any such thread that asks for the GIL, by
-    unwinding it through C++ code that may not be unwound: the process aborts ("terminate called without
-    an active exception", SIGABRT) after a run that succeeded. Nothing is lost by skipping the shutdown:
-    every file the scripts write is complete and closed when main() returns, and the output is flushed
-    here. multiprocessing ends the processes it starts the same way.
-    """
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(status)
+        status = 2
+    gc.collect()  # main()'s wrappers, with their references to the process group
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+    sys.exit(status)
 
 
 def seed_everything(seed):
@@ -187,13 +181,16 @@ def latest_checkpoint(directory):
 
 def check_zero_shards(directory, world_size):
     """Refuse, on every rank alike, to resume without a checkpoint (`latest_checkpoint`'s error), or from
-    a DeepSpeed checkpoint whose ZeRO shards were written by another number of processes: ZeRO cannot
-    re-partition them, and left to DeepSpeed the ranks without a shard fail with an assertion while the
-    others report the mismatch."""
+    a DeepSpeed checkpoint whose ZeRO shards were written by another number of processes. DeepSpeed
+    re-partitions shards only through its universal checkpoint, and its converter (ds_to_universal, in
+    0.19.8) reads Adam's state alone: on SGD's it stops with KeyError: 'exp_avg'. Left to DeepSpeed, the
+    ranks without a shard fail with an assertion while the others report the mismatch. ZeRO-0 writes no
+    shard: every rank's copy of the optimizer state is whole, and any world size loads it."""
     shards = glob.glob(os.path.join(latest_checkpoint(directory), "*_optim_states.pt"))
     if shards and len(shards) != world_size:
-        raise UsageError(f"cannot resume from {directory}: its ZeRO shards were written by {len(shards)} "
-                         f"processes and ZeRO cannot re-partition them for {world_size}")
+        raise UsageError(f"cannot resume from {directory} with {world_size} processes: its ZeRO shards were "
+                         f"written by {len(shards)}, and DeepSpeed's universal checkpoint, which re-partitions "
+                         f"shards, converts Adam's state only, not SGD's; resume with {len(shards)} processes")
 
 
 def read_json(path, flag):

@@ -8,7 +8,7 @@ wrapped to note which of them is running. Each rank writes `collectives-rank{RAN
 directory that COLLECTIVES_DIR names: one entry per training micro-batch,
 {"boundary": bool, "forward": [names], "backward": [names], "step": [names]}, where `boundary` says
 whether that micro-batch ended an optimizer step. The file is rewritten after each micro-batch: the
-step's process ends in `utils.run`, which leaves no code after it a chance to run.
+step's process ends inside `utils.run` (`sys.exit`), and no code after it runs.
 """
 
 import functools

@@ -5,13 +5,14 @@ model would belong to different steps. Prints one line per rank: `rank R stepped
     torchrun --standalone --nproc_per_node=2 tests/fsdp_overflow.py
 """
 
-import os
+import gc
 
 import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import fully_shard
 
-if __name__ == "__main__":
+
+def main():
     dist.init_process_group("gloo")
     torch.manual_seed(0)
     model = torch.nn.Linear(8, 8)
@@ -27,4 +28,10 @@ if __name__ == "__main__":
     stepped = not all(torch.equal(a, b.full_tensor()) for a, b in zip(before, model.parameters(), strict=True))
     print(f"rank {dist.get_rank()} stepped {stepped} scale {scaler.get_scale()}\n", end="", flush=True)
     dist.destroy_process_group()
-    os._exit(0)  # past Python's shutdown, which can abort on a live gloo thread (common/utils.py: _exit)
+
+
+if __name__ == "__main__":
+    main()
+    # FSDP's state holds the process group in reference cycles: free it before Python's shutdown, which
+    # aborts on a gloo thread still alive (common/utils.py: run).
+    gc.collect()

@@ -111,11 +111,10 @@ def test_crash_while_writing_a_checkpoint_leaves_the_previous_one_resumable(unin
     assert_same_weights(uninterrupted(script), tmp_path / "model.pt")
 
 
-# The end of every distributed run, reduced to its hazard: the last collective completes just before
-# main() returns, and the process group is still alive (DDP and DeepSpeed keep theirs past
-# destroy_process_group()). With a plain `main()` instead of utils.run, 4 and 9 runs of 20 aborted here
-# (two batches, 2-core CPU) with SIGABRT ("terminate called without an active exception") in Python's
-# shutdown.
+# The end of a distributed run, reduced to its hazard: the last collective completes just before main()
+# returns, and main() leaves the process group alive. Python's shutdown can then abort the process with
+# SIGABRT ("terminate called without an active exception") while a gloo thread still runs: utils.run
+# destroys the group first (its docstring).
 LAST_COLLECTIVE_SCRIPT = """
 import sys
 
@@ -138,5 +137,5 @@ utils.run(main)
 def test_a_finished_run_exits_0_while_the_process_group_is_alive(tmp_path):
     script = tmp_path / "last_collective.py"
     script.write_text(LAST_COLLECTIVE_SCRIPT.format(root=str(ROOT)))
-    for _ in range(10):  # a race: without utils.run's exit, 10 runs all pass about 1 time in 10 at most
+    for _ in range(10):  # a race: without the group's destruction, some runs in 10 abort
         check_ok(run_job(torchrun(2, script), timeout=60))
