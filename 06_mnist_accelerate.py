@@ -2,7 +2,7 @@
 
 New (relative to step 04; lines marked `# [06]`): an `Accelerator` replaces 04's set-up under any
 launcher; `prepare` wraps model, optimizer and schedule and shards the loaders; `backward`,
-`gather_for_metrics` and `save_state` do the rest. MNIST and its CNN (common/) replace CIFAR-10.
+`gather_for_metrics`, `reduce` and `save_state` do the rest. MNIST and its CNN (common/) replace CIFAR-10.
 
 Launch:
     accelerate launch --config_file accelerate_config.yaml 06_mnist_accelerate.py   # 2 GPUs, fp16
@@ -19,8 +19,8 @@ import time
 import torch
 import torch.nn.functional as F
 from accelerate import Accelerator  # [06]
-from accelerate.utils import DataLoaderConfiguration, InitProcessGroupKwargs  # [06]
-from torch.utils.data import DataLoader  # [06]
+from accelerate.utils import DataLoaderConfiguration, InitProcessGroupKwargs, set_seed  # [06]
+from torch.utils.data import DataLoader, DistributedSampler  # [06]
 from tqdm import tqdm
 
 from common import data, distributed, flags, models, utils  # [04]
@@ -37,8 +37,7 @@ def parse_args():
 def main():
     args = parse_args()
     utils.seed_everything(args.seed)
-    # Before the process group (the Accelerator creates it): a download can take longer than the group's
-    # timeout. Every process calls it; one downloads while the others on its machine wait for the files.
+    # Before the process group, whose timeout a slow download would outlast (one process per machine downloads).
     if not args.synthetic:  # [06]
         data.download_mnist(args.data_dir)  # [06]
     # One object does 04's set-up under any launcher: process group, rank, world size, device.
@@ -49,8 +48,7 @@ def main():
         dataloader_config=DataLoaderConfiguration(split_batches=True, non_blocking=True),  # [06]
         kwargs_handlers=[InitProcessGroupKwargs(timeout=datetime.timedelta(minutes=5))],  # [06] 04's short timeout
     )  # [06]
-    rank = accelerator.process_index  # [06]
-    world_size, device = accelerator.num_processes, accelerator.device  # [06]
+    rank, world_size, device = accelerator.process_index, accelerator.num_processes, accelerator.device  # [06]
     if device.type == "cuda":  # [02]
         utils.use_deterministic_kernels()  # [02] or --resume drifts from an uninterrupted run
     else:  # [02]
@@ -62,8 +60,8 @@ def main():
     train_set, test_set = data.load_mnist(args.data_dir, args.synthetic, seed=args.seed)  # [06]
     if args.batch_size > len(train_set):
         raise utils.UsageError(f"--batch-size {args.batch_size} is larger than the training set ({len(train_set)})")
-    # 01's sampler and global batches: `prepare` gives each process its share of every batch.
-    sampler = data.EpochShuffleSampler(train_set, seed=args.seed)  # [06]
+    # 01's order, in global batches: `prepare` gives each process its share of every batch.
+    sampler = DistributedSampler(train_set, num_replicas=1, rank=0, seed=args.seed)  # [06]
     # A torch DataLoader, which `prepare` can shard. Its own generator: otherwise each epoch's iterator
     # draws a seed from the global RNG, and a resumed run's random numbers would not match an uninterrupted run's.
     train_loader = DataLoader(train_set, batch_size=args.batch_size, sampler=sampler, drop_last=True,  # [06]
@@ -81,7 +79,7 @@ def main():
     model, optimizer, train_loader, test_loader, scheduler = accelerator.prepare(  # [06]
         model, optimizer, train_loader, test_loader, scheduler)  # [06]
     # One seed built the same weights everywhere; from here on each process draws its own dropout masks.
-    torch.manual_seed(args.seed + rank)  # [06]
+    set_seed(args.seed, device_specific=True)  # [06] seed + process index, for Python, NumPy, torch and the GPUs
 
     step, start_epoch = 0, 0
     # torchrun --max-restarts=K restarts every process after a failure: continue from the last checkpoint.
@@ -159,14 +157,13 @@ def train_one_epoch(args, model, loader, optimizer, scheduler,
         loss_sum += loss.detach()
         checkpoint_due = args.save_every and (step % args.save_every == 0 or step == last_step)
         if step % 10 == 0 or step == last_step or checkpoint_due:  # reading the loss waits for the step to finish
-            # The mean over ranks: every rank must run the all-reduce, not only rank 0, which shows it. Every
-            # rank gets the same value: a diverged run stops on all of them at the same step.
-            logged_loss = distributed.all_reduce_mean(loss).item()  # [04]
+            # Every rank runs the all-reduce, not rank 0 alone: a diverged run stops on all at the same step.
+            logged_loss = accelerator.reduce(loss.detach(), "mean").item()  # [06]
             utils.check_finite(logged_loss, step)  # a diverged run stops here, before it saves its NaN weights
             progress.set_postfix(loss=f"{logged_loss:.3f}")
         if checkpoint_due:  # [06] on every process
             save_checkpoint(args, accelerator, epoch, step)  # [06]
-    return distributed.all_reduce_mean(loss_sum).item() / max(end - done, 1), step  # [04]
+    return accelerator.reduce(loss_sum, "mean").item() / max(end - done, 1), step  # [06]
 
 
 @torch.no_grad()

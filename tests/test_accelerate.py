@@ -1,11 +1,13 @@
 """Step 06 (Accelerate), launched as users launch it: accelerate launch, torchrun, plain python."""
 
+import signal
+
 import pytest
 from data_dirs import mnist_data_dir, tiny_mnist
-from jobs import MNIST_LR, SMOKE_ARGS, SYNTHETIC_ARGS, run_job
+from jobs import MNIST_LR, SHORT_RUN_ARGS, SMOKE_ARGS, SYNTHETIC_ARGS, run_job
 from launch import ON_GPU, accelerate_launch, python, torchrun
-from outputs import check_ok, check_one_error, check_smoke_run, read_metrics
-from resume import END_STEP, check_exact_resume
+from outputs import assert_same_weights, check_ok, check_one_error, check_smoke_run, read_metrics
+from resume import END_STEP, TEST_SIZE, TRAIN_SIZE, check_exact_resume
 
 from common import models
 
@@ -37,6 +39,40 @@ def test_resume_mid_epoch_matches_uninterrupted_run(tmp_path):
     result = run_job(python(SCRIPT, *args, *MNIST_LR, "--max-steps", END_STEP + 4, "--resume", "--output-dir", stopped),
                      timeout=60)
     check_one_error(result, "world_size=2, this run has 1", "number of processes")
+
+
+# The step, run by plain python, killed by SIGKILL inside save_state at step 8, once the weights, optimizer,
+# schedule and random state are on the disk and before checkpoint.pt names them: a crash in the middle of a save.
+CRASH_IN_A_SAVE = """
+import os, runpy, signal, sys
+import accelerate.accelerator
+
+def save_or_die(output_dir, *args, **kwargs):
+    location = save_accelerator_state(output_dir, *args, **kwargs)
+    if output_dir.endswith("step8"):
+        os.kill(os.getpid(), signal.SIGKILL)
+    return location
+
+save_accelerator_state, accelerate.accelerator.save_accelerator_state = (
+    accelerate.accelerator.save_accelerator_state, save_or_die)
+sys.argv = sys.argv[1:]
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
+def test_a_crash_in_the_middle_of_a_save_resumes_from_the_save_before(tmp_path):
+    """save_state writes its files in place: resume must not trust the half-finished save, and the one before
+    it must still be there."""
+    data_dir = tiny_mnist(tmp_path / "data", TRAIN_SIZE, TEST_SIZE)
+    args = ["--data-dir", data_dir, *SHORT_RUN_ARGS, *MNIST_LR, "--epochs", 2, "--save-every", 4, "--max-steps", 12]
+    straight, crashed = tmp_path / "straight", tmp_path / "crashed"
+    check_ok(run_job(python(SCRIPT, *args, "--output-dir", straight), timeout=120))
+    result = run_job(python("-c", CRASH_IN_A_SAVE, SCRIPT, *args, "--output-dir", crashed), timeout=120)
+    assert result.returncode == -signal.SIGKILL, result.stderr[-3000:]
+    assert (crashed / "checkpoints" / "step8" / "model.safetensors").is_file()
+    resumed = check_ok(run_job(python(SCRIPT, *args, "--resume", "--output-dir", crashed), timeout=120))
+    assert "resumed from step 4" in resumed.stdout
+    assert_same_weights(straight / "model.pt", crashed / "model.pt")
 
 
 def test_global_batch_not_divisible_by_world_size(tmp_path):
