@@ -4,19 +4,24 @@ cannot drift from it.
 Every command in them runs a file that exists, with arguments that its parser accepts (a step's, a
 benchmark's; behind a wrapper such as benchmarks/float64.py, the step's); every `grep` in them prints
 lines; every file name exists; every link and anchor resolves; every page is linked from the README;
-the tour table's diff sizes are current; the README stays short.
+the tour table's diff sizes are current; the README stays short. Code that a page quotes is the script's
+own, verbatim, and the collectives' values in docs/collectives.md are what 4 processes really compute.
 """
 
 import ast
 import importlib.util
+import json
 import re
 import shlex
 import subprocess
 import sys
+import textwrap
 
 import pytest
 import torch
-from launch import ROOT, SCRIPTS
+from jobs import run_job
+from launch import ROOT, SCRIPTS, python
+from outputs import check_ok
 
 README = (ROOT / "README.md").read_text()
 PAGES = {"README.md": README,
@@ -35,6 +40,11 @@ JOB_SCRIPTS = {f"slurm/{path.name}": re.search(r"\b0\d_\w+\.py\b", path.read_tex
 # Files that the runs write, not files of the repository.
 OUTPUTS = {"metrics.json"}
 README_WORDS = 2500
+# A Python block that quotes a script has a caption naming it on the line before: From `04_cifar10_ddp.py`:
+QUOTE = re.compile(r"^From `([\w./-]+\.py)`:\n```python\n(.*?)^```", re.S | re.M)
+FIGURE_COMMAND = "python benchmarks/collectives_figure.py --output docs/collectives.png"
+# The output that docs/collectives.md shows, under the caption that names the command.
+FIGURE_OUTPUT = re.compile(rf"^Output of `{re.escape(FIGURE_COMMAND)}`:\n```text\n(.*?)^```", re.S | re.M)
 
 
 def shell_commands(text):
@@ -170,3 +180,50 @@ def test_tour_table_diff_sizes_are_current():
         diff = subprocess.run(["diff", ROOT / base, ROOT / script], capture_output=True, text=True).stdout
         changed = sum(line.startswith(("<", ">")) for line in diff.splitlines())
         assert int(size) == changed, f"README says {size} lines for {base} -> {script}, the diff has {changed}"
+
+
+@pytest.mark.parametrize("page", PAGES)
+def test_quoted_code_is_the_scripts_own(page):
+    for script, block in QUOTE.findall(PAGES[page]):
+        quoted = textwrap.dedent(block).splitlines()
+        lines = (ROOT / script).read_text().splitlines()
+        windows = [textwrap.dedent("\n".join(lines[start:start + len(quoted)])).splitlines()
+                   for start in range(len(lines) - len(quoted) + 1)]
+        assert quoted in windows, f"{page}: not a verbatim run of lines of {script}:\n{block}"
+
+
+def test_the_ddp_page_quotes_step_04_and_nothing_else():
+    page = PAGES["docs/ddp.md"]
+    quotes = QUOTE.findall(page)
+    # A Python block whose caption was lost would escape the check above.
+    assert len(quotes) == len(re.findall(r"^```python$", page, re.M)) >= 10
+    assert {script for script, _ in quotes} == {"04_cifar10_ddp.py"}
+
+
+def test_no_page_shows_the_backend_copy_trap():
+    # `"nccl" or "gloo"` is always "nccl" in Python: a reader who copies it gets NCCL on a CPU.
+    assert not [page for page, text in PAGES.items() if re.search(r"\"nccl\" or \"gloo\"", text)]
+
+
+def test_the_collectives_figure_shows_what_4_processes_compute(tmp_path):
+    png = tmp_path / "collectives.png"
+    result = check_ok(run_job(python(ROOT / "benchmarks" / "collectives_figure.py", "--output", png), timeout=120))
+    runs, name = {}, None
+    for line in result.stdout.splitlines():
+        if header := re.fullmatch(r"([\w-]+): dist\.\w+\(.*\)", line):
+            name = header[1]
+            runs[name] = []
+        elif row := re.fullmatch(r"  rank (\d): (\[.*\]) -> (\[.*\])", line):
+            runs[name].append((json.loads(row[2]), json.loads(row[3])))
+    before = [held for held, _ in runs["all-reduce"]]
+    assert len(before) == 4 and len({tuple(held) for held in before}) == 4  # 4 ranks, each its own values
+    total = [sum(column) for column in zip(*before, strict=True)]
+    assert runs["broadcast"] == [(held, before[0]) for held in before]
+    assert runs["all-reduce"] == [(held, total) for held in before]
+    assert runs["reduce-scatter"] == [(held, [element]) for held, element in zip(before, total, strict=True)]
+    assert runs["all-gather"] == [([element], total) for element in total]
+    # The glossary shows this very output, and the picture drawn from it is small enough to commit.
+    [shown] = FIGURE_OUTPUT.findall(PAGES["docs/collectives.md"])
+    assert shown == result.stdout.removesuffix(f"wrote {png}\n")
+    for picture in (png, ROOT / "docs" / "collectives.png"):
+        assert picture.read_bytes().startswith(b"\x89PNG") and picture.stat().st_size < 200 * 1024
