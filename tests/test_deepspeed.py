@@ -8,6 +8,7 @@ has to cover it.
 """
 
 import json
+import shutil
 
 import parity
 import pytest
@@ -86,6 +87,22 @@ def test_resume_with_zero3_matches_uninterrupted_run(tmp_path):
     result = run_job(torchrun(3, SCRIPT, *args, "--max-steps", END_STEP + 4, "--zero-stage", 3, "--resume",
                               "--output-dir", stopped), timeout=120)
     check_one_error(result, "with 3 processes: its ZeRO shards were written by 2", "not SGD's")
+
+
+def test_zero0_checkpoint_resumes_at_another_world_size(tmp_path):
+    """Without ZeRO every rank's checkpoint holds the whole state, so 3 processes resume 2 processes' checkpoint:
+    exactly the saved weights (a resume that trains no step writes them back), and on from there. Not compared
+    with an uninterrupted 3-process run: float32 sums in another order, which training amplifies."""
+    args = ["--data-dir", tiny_cifar10(tmp_path / "data", 96, 11), *SHORT_RUN_ARGS, "--epochs", 2, "--zero-stage", 0,
+            "--width", 8]
+    saved, loaded, continued = tmp_path / "saved", tmp_path / "loaded", tmp_path / "continued"
+    check_ok(launch("torchrun", 2, *args, "--max-steps", 4, "--save-every", 4, "--output-dir", saved))
+    for output_dir, steps in ((loaded, 4), (continued, 8)):
+        shutil.copytree(saved / "checkpoints", output_dir / "checkpoints")
+        result = check_ok(launch("torchrun", 3, *args, "--max-steps", steps, "--resume", "--output-dir", output_dir))
+        assert "resumed from step 4" in result.stdout
+        assert (read_metrics(output_dir)["world_size"], read_metrics(output_dir)["steps"]) == (3, steps)
+    assert_same_weights(saved / "model.pt", loaded / "model.pt")
 
 
 @pytest.mark.parametrize("launcher, nproc, args, message", [

@@ -11,7 +11,7 @@ import pytest
 import torch
 from jobs import run_job
 from launch import ON_GPU, ROOT, python, torchrun
-from outputs import assert_same_weights, check_ok, read_metrics
+from outputs import assert_same_weights, check_ok, check_one_error, read_metrics
 
 # Each template and the step that teaches its calls.
 STEPS = {"ddp": "04_cifar10_ddp.py", "fsdp": "07_cifar10_fsdp.py", "deepspeed": "05_cifar10_deepspeed.py",
@@ -68,6 +68,13 @@ def test_a_run_stopped_after_an_epoch_continues_to_the_uninterrupted_runs_weight
     assert "epoch 1/" not in resumed.stdout and f"epoch {EPOCHS}/{EPOCHS}" in resumed.stdout, resumed.stdout
     # Bit-equal: every library restores the weights and the optimizer's momentum exactly.
     assert_same_weights(finished(name, 2) / "model.pt", tmp_path / "model.pt")
+
+
+@pytest.mark.parametrize("name", STEPS)
+def test_a_diverged_run_stops_with_one_error_before_it_saves(name, tmp_path):
+    command = torchrun(2, f"templates/train_{name}.py", "--epochs", 1, "--lr", 1e20, "--output-dir", tmp_path)
+    check_one_error(run_job(command, timeout=TIMEOUT), "error: the loss diverged in epoch 1")
+    assert not (tmp_path / "model.pt").exists()
 
 
 # --- Each template's distributed calls, against its step's ---------------------------------------------------
