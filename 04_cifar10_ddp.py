@@ -65,8 +65,7 @@ def main():
     # Whole batches, cut and augmented on `device` in a few tensor operations (docs/data-and-model.md).
     train_loader = data.BatchLoader(train_set, batch_size, sampler=sampler, drop_last=True,  # [04]
                                     device=device, num_workers=args.num_workers)
-    # Each rank evaluates a disjoint slice; not DistributedSampler, which pads the slices to equal length
-    # with repeated samples, so some test samples would be counted twice.
+    # A disjoint slice per rank; DistributedSampler would pad the slices with repeats, counting some twice.
     test_shard = Subset(test_set, range(rank, len(test_set), world_size))  # [04]
     test_loader = data.BatchLoader(test_shard, batch_size, device=device, num_workers=args.num_workers)  # [04]
 
@@ -167,8 +166,7 @@ def train_one_epoch(args, model, loader, optimizer, scheduler,
 def evaluate(model, loader, device, amp_dtype, tta):  # [02]
     """Mean loss and accuracy over the whole test set; returns them and the number of samples."""
     model.eval()
-    # The plain module, with rank 0's BatchNorm statistics (the ones model.pt keeps). DDP's forward would
-    # broadcast them itself, in the first test batch: a rank with no test batch would never join it, and hang.
+    # Rank 0's BatchNorm statistics on the plain module: DDP's own broadcast would hang a rank with no test batch.
     distributed.broadcast_buffers(model.module)  # [04]
     totals = torch.zeros(3, dtype=torch.float64, device=device)  # loss sum, correct, samples
     for images, labels in loader:
@@ -213,4 +211,4 @@ def load_checkpoint(args, model, optimizer, scheduler, scaler, device):  # [02]
 
 
 if __name__ == "__main__":
-    utils.run(main)
+    utils.run(main, skip_python_shutdown=True)  # [04] gloo threads would abort Python's shutdown (see utils.run)

@@ -215,4 +215,4 @@ def load_checkpoint(args, accelerator, device):  # [06]
 
 
 if __name__ == "__main__":
-    utils.run(main)
+    utils.run(main, skip_python_shutdown=True)  # [04] gloo threads would abort Python's shutdown (see utils.run)

@@ -74,8 +74,7 @@ def main():
     # Whole batches, cut and augmented on `device` in a few tensor operations (docs/data-and-model.md).
     train_loader = data.BatchLoader(train_set, batch_size, sampler=sampler, drop_last=True,  # [04]
                                     device=device, num_workers=args.num_workers)
-    # Each rank evaluates a disjoint slice; not DistributedSampler, which pads the slices to equal length
-    # with repeated samples, so some test samples would be counted twice.
+    # A disjoint slice per rank; DistributedSampler would pad the slices with repeats, counting some twice.
     test_shard = Subset(test_set, range(rank, len(test_set), world_size))  # [04]
     # Every forward pass gathers each unit's weights from every rank, so every rank must run as many test
     # batches as the others: each slice is cut into the same number of batches.
@@ -253,4 +252,4 @@ def load_checkpoint(args, model, optimizer, scheduler, scaler, device):  # [02]
 
 
 if __name__ == "__main__":
-    utils.run(main)
+    utils.run(main, skip_python_shutdown=True)  # [04] gloo threads would abort Python's shutdown (see utils.run)

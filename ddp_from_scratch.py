@@ -299,4 +299,4 @@ def evaluate(model, loader, device):
 
 
 if __name__ == "__main__":
-    utils.run(main)
+    utils.run(main, skip_python_shutdown=True)  # gloo threads would abort Python's shutdown (see utils.run)

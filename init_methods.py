@@ -96,7 +96,7 @@ def spawned(index, args):
     defined in a notebook fails."""
     os.environ.update(LOCAL_RANK=str(index), LOCAL_WORLD_SIZE=str(args.world_size))  # as torchrun sets them
     args.rank = index
-    utils.run(lambda: train(args))  # bad input: one error line, from index 0 (LOCAL_RANK 0)
+    utils.run(lambda: train(args), skip_python_shutdown=True)  # bad input: one error line, from index 0
 
 
 def train(args):
@@ -213,4 +213,4 @@ def evaluate(model, loader, device):
 
 
 if __name__ == "__main__":  # not when the processes that mp.spawn starts import this file
-    utils.run(main)
+    utils.run(main, skip_python_shutdown=True)  # gloo threads would abort Python's shutdown (see utils.run)

@@ -46,7 +46,7 @@ def _error_line(error):
     return None
 
 
-def run(main):
+def run(main, skip_python_shutdown=False):
     """Run a script's `main()`. Bad input (a UsageError, or a rendezvous that cannot start) ends the
     process with one `error:` line and exit status 2; any other exception propagates with its traceback.
 
@@ -55,14 +55,22 @@ def run(main):
     error through `record` and names the first in its failure table, so under torchrun the workers
     print nothing. Without torchrun, the first process of each machine prints the line.
 
-    The process then ends as any Python program does: `atexit` handlers run (logging, TensorBoard and
-    W&B flush there). One thing must come first. A gloo process group that is still alive when Python
-    shuts down can abort the process after a run that succeeded ("terminate called without an active
-    exception", SIGABRT): its threads may still be releasing the last collective's tensors, and Python's
-    shutdown stops any thread that asks for the GIL by unwinding it through C++ code. So the group is
-    destroyed here if `main()` left it alive, and the wrappers that hold it (DDP, FSDP, DeepSpeed's
-    engine) are freed first: the collector frees those caught in reference cycles.
-    `tests/test_faults.py` runs a script that ends right after an all-reduce through this function.
+    How the process ends. A gloo process group still alive when Python shuts down can abort the process
+    after a run that succeeded ("terminate called without an active exception", SIGABRT): its threads may
+    still release the last collective's tensors, and Python's shutdown stops any thread that asks for the
+    GIL by unwinding it through C++ code. So a group that `main()` left alive is destroyed here, and by
+    default the process then ends as any Python program does, `atexit` handlers included (logging,
+    TensorBoard and W&B flush there); the collector first frees wrappers caught in reference cycles
+    (FSDP's), which hold the group. `tests/test_faults.py` runs a script that ends right after an
+    all-reduce through this path.
+
+    `skip_python_shutdown=True` ends the process with `os._exit` instead, once the output is flushed: no
+    `atexit` handler, no finalizer runs. The distributed steps use it, because a library can hold the
+    group's threads beyond `destroy_process_group()` where the script cannot free them: 06, which
+    ended normally after Accelerate's `end_training()`, aborted once in a CI run (3 processes, 2 cores).
+    Nothing is lost: every file the steps write is complete and closed when `main()` returns. A script
+    of yours that needs its `atexit` handlers calls their flush (`writer.close()`, `wandb.finish()`)
+    at the end of `main()` before it uses this.
     """
     status = 0
     try:
@@ -71,6 +79,12 @@ def run(main):
         if not os.environ.get("TORCHELASTIC_ERROR_FILE") and os.environ.get("LOCAL_RANK", "0") == "0":
             print(_error_line(error), file=sys.stderr, flush=True)
         status = 2
+        if dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()
+    if skip_python_shutdown:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(status)
     gc.collect()  # main()'s wrappers, with their references to the process group
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
