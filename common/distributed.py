@@ -30,12 +30,12 @@ def all_reduce_mean(value):
     return value / dist.get_world_size()
 
 
-def broadcast_buffers(model):
-    """Give every rank rank 0's buffers (BatchNorm's running statistics). DDP broadcasts them itself, but
-    only in a forward pass that follows a training step, and only on the ranks that run one; FSDP and
-    DeepSpeed never do. Every rank must call it."""
+def broadcast_buffers(model, group=None):
+    """Give every rank of `group` (default: all) the buffers of the group's first rank (BatchNorm's running
+    statistics). DDP broadcasts them itself, but only in a forward pass that follows a training step, and
+    only on the ranks that run one; FSDP and DeepSpeed never do. Every rank of the group must call it."""
     for buffer in model.buffers():
-        dist.broadcast(buffer, src=0)
+        dist.broadcast(buffer, group=group, group_src=0)
 
 
 def default_to_a_world_of_one():

@@ -11,11 +11,18 @@ shape. Pass `width=64` for the full-size net on GPUs.
 step 06: two 3x3 convolutions (32 and 64 channels), a max-pool, dropout, two linear layers.
 """
 
+from collections import OrderedDict
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 NORMS = ("batch", "group")
+# ResNet9's top-level blocks in the order they run: the units that step 08 cuts into pipeline stages.
+RESNET9_BLOCKS = ("prep", "layer1", "layer2", "layer3", "head")
+# The original scales the logits by 1/8: max-pooled features are large, and unscaled logits make the
+# first steps of SGD at a normal learning rate diverge.
+LOGIT_SCALE = 0.125
 
 
 def norm_layer(norm, channels):
@@ -56,9 +63,32 @@ class ResNet9(nn.Module):
         self.head = nn.Sequential(nn.MaxPool2d(4), nn.Flatten(), nn.Linear(8 * width, num_classes))
 
     def forward(self, x):
-        # The original scales the logits by 1/8: max-pooled features are large, and unscaled logits
-        # make the first steps of SGD at a normal learning rate diverge.
-        return self.head(self.layer3(self.layer2(self.layer1(self.prep(x))))) * 0.125
+        return self.head(self.layer3(self.layer2(self.layer1(self.prep(x))))) * LOGIT_SCALE
+
+
+class LogitScale(nn.Module):
+    """ResNet9's last operation as a module, so that a pipeline stage can be a plain `nn.Sequential`."""
+
+    def forward(self, x):
+        return x * LOGIT_SCALE
+
+
+def pipeline_stage(model, stage_index, stages):
+    """The blocks of `model` (a ResNet9) that pipeline stage `stage_index` of `stages` runs, as an
+    `nn.Sequential` whose parameters keep the names they have in ResNet9 (`layer3.0.0.weight`): the
+    stages' state_dicts together are the whole model's. The blocks are shared with `model`, not copied.
+
+    Consecutive blocks, as many per stage as possible alike, earlier stages taking one more: 2 stages
+    cut after layer2. The last stage also scales the logits."""
+    if not 1 <= stages <= len(RESNET9_BLOCKS):
+        raise ValueError(f"ResNet9 has {len(RESNET9_BLOCKS)} blocks: it cuts into 1 to {len(RESNET9_BLOCKS)} stages")
+    sizes = [len(RESNET9_BLOCKS) // stages + (index < len(RESNET9_BLOCKS) % stages) for index in range(stages)]
+    first = sum(sizes[:stage_index])
+    stage = nn.Sequential(OrderedDict((name, getattr(model, name))
+                                      for name in RESNET9_BLOCKS[first:first + sizes[stage_index]]))
+    if stage_index == stages - 1:
+        stage.add_module("scale", LogitScale())
+    return stage
 
 
 class MnistCNN(nn.Module):
