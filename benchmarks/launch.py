@@ -5,9 +5,12 @@ import os
 import runpy
 import socket
 import sys
+import time
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
 
 ROOT = Path(__file__).resolve().parents[1]
 # Real data for offline measurements (the official MNIST archives, real CIFAR-10 images as arrays):
@@ -25,8 +28,9 @@ SCRIPTS = {
     "05": "05_cifar10_deepspeed.py",
     "06": "06_mnist_accelerate.py",
     "07": "07_cifar10_fsdp.py",
+    "08": "08_cifar10_pipeline.py",
 }
-BASES = {"02": "01", "03": "02", "04": "02", "05": "04", "06": "04", "07": "04"}
+BASES = {"02": "01", "03": "02", "04": "02", "05": "04", "06": "04", "07": "04", "08": "04"}
 
 
 def environment(extra=None):
@@ -43,6 +47,31 @@ def free_port():
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+def _run_in_group(rank, function, world_size, port, timeout, queue):
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
+                            timeout=timeout)
+    queue.put((rank, function(rank)))
+    dist.destroy_process_group()
+
+
+def in_local_processes(function, world_size, timeout):
+    """{rank: function(rank)}, each call in a process of its own, in one gloo group on 127.0.0.1 (no GPU
+    needed). Forked, not spawned: a spawned process imports torch again, which is most of a short run's
+    time. A process that fails stops the others and raises here; a group still running after `timeout` (a
+    `datetime.timedelta`, also the group's own) and 30 s for the start-up is killed, with an error."""
+    queue = mp.get_context("fork").SimpleQueue()
+    processes = mp.start_processes(_run_in_group, args=(function, world_size, free_port(), timeout, queue),
+                                   nprocs=world_size, join=False, start_method="fork")
+    limit = timeout.total_seconds() + 30
+    deadline = time.monotonic() + limit
+    while not processes.join(timeout=1):
+        if time.monotonic() > deadline:
+            for process in processes.processes:
+                process.kill()
+            sys.exit(f"error: the {world_size} processes did not finish in {limit:.0f} s")
+    return dict(queue.get() for _ in range(world_size))
 
 
 def python(script, *args):

@@ -60,6 +60,14 @@ def cases(tmp, port):
             (torchrun(3, "04_cifar10_ddp.py", *SYNTHETIC_ARGS, "--batch-size", 32, *out), {}, {}),
         "a global batch that the world size times 05's `--gradient_accumulation_steps` does not divide":
             (torchrun(2, "05_cifar10_deepspeed.py", *SYNTHETIC_ARGS, "--gradient_accumulation_steps", 5, *out), {}, {}),
+        "`--stages` that does not divide the world size (08)":
+            (torchrun(2, "08_cifar10_pipeline.py", *SYNTHETIC_ARGS, "--stages", 3, *out), {}, {}),
+        "more `--stages` than ResNet-9's 5 blocks (08)":
+            (torchrun(6, "08_cifar10_pipeline.py", *SYNTHETIC_ARGS, *out), {}, {}),
+        "`--microbatches` that do not divide a replica's share of the batch (08)":
+            (torchrun(2, "08_cifar10_pipeline.py", *SYNTHETIC_ARGS, "--microbatches", 5, *out), {}, {}),
+        "`--amp fp16` in 08 (no loss scaling across pipeline stages)":
+            (python("08_cifar10_pipeline.py", *SYNTHETIC_ARGS, "--amp", "fp16", *out), {}, {}),
         "`--batch-size` of 0 or less": (python("02_cifar10_gpu.py", *SYNTHETIC_ARGS, "--batch-size", 0, *out), {}, {}),
         "`--epochs` of 0 or less": (python("02_cifar10_gpu.py", *SYNTHETIC_ARGS, "--epochs", -1, *out), {}, {}),
         "an unknown `--amp`": (python("02_cifar10_gpu.py", *SYNTHETIC_ARGS, "--amp", "fp8", *out), {}, {}),
@@ -151,6 +159,7 @@ def test_more_processes_than_gpus(launcher, script, tmp_path):
     ("05", lambda *args: torchrun(2, "05_cifar10_deepspeed.py", *args, "--zero-stage", 0)),
     ("06", lambda *args: torchrun(2, "06_mnist_accelerate.py", *args)),
     ("07", lambda *args: torchrun(2, "07_cifar10_fsdp.py", *args)),
+    ("08", lambda *args: torchrun(2, "08_cifar10_pipeline.py", *args)),
 ])
 def test_a_diverged_run_is_an_error(step, launch, tmp_path):
     """A learning rate far too high: the loss is no longer a number by the first check (step 10). The run

@@ -25,7 +25,7 @@ def saved_step(output_dir):
 
 
 def latest_step(output_dir):
-    """The step of the checkpoint that `checkpoints/latest` names (05, 07)."""
+    """The step of the checkpoint that `checkpoints/latest` names (05, 07, 08)."""
     return int((output_dir / "checkpoints" / "latest").read_text().removeprefix("step"))
 
 
@@ -35,6 +35,7 @@ STEPS = {
     "05_cifar10_deepspeed.py": ([], latest_step),
     "06_mnist_accelerate.py": (MNIST_LR, saved_step),
     "07_cifar10_fsdp.py": ([], latest_step),
+    "08_cifar10_pipeline.py": ([], latest_step),
 }
 
 

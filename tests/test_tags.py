@@ -27,6 +27,9 @@ LESSONS = {
            "accelerator.save_state(", "accelerator.load_state(", "train_loader.set_epoch("],
     "07": ["MixedPrecisionPolicy(", "fully_shard(", "get_model_state_dict(", "dcp.save(",
            "dcp.load(", "set_state_dict("],
+    "08": ["init_device_mesh(", "models.pipeline_stage(", "PipelineStage(", "SCHEDULES[args.schedule](",
+           "schedule.step(", "dist.all_reduce(parameter.grad", "schedule.eval(", "dist.gather_object(", "dcp.save(",
+           "dcp.load("],
 }
 
 

@@ -1,0 +1,277 @@
+"""Step 08: the model split by layers: pipeline parallelism (`torch.distributed.pipelining`).
+
+New (relative to step 04; lines marked `# [08]`): each rank holds a few of ResNet-9's blocks, a pipeline
+stage, and passes each micro-batch's activations on (its gradients back) so that the stages work at once,
+in the order of a schedule (GPipe or 1F1B). World size / `--stages` replicas of the pipeline split each
+batch, as 04's ranks do. Each stage checkpoints its own part. Without GPUs: gloo on the CPU.
+
+Launch:
+    torchrun --nproc_per_node=N 08_cifar10_pipeline.py --amp bf16       # N GPUs on this machine, N stages
+    torchrun --standalone --nproc_per_node=2 08_cifar10_pipeline.py --synthetic --epochs 1   # CPU (gloo), offline
+    torchrun --standalone --nproc_per_node=4 08_cifar10_pipeline.py --synthetic --epochs 1 --stages 2   # 2 x 2
+"""
+
+import datetime  # [04]
+import functools  # [08]
+import os
+import time
+
+import torch
+import torch.distributed as dist  # [04]
+import torch.distributed.checkpoint as dcp  # [08]
+import torch.nn.functional as F
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict  # [08]
+from torch.distributed.device_mesh import init_device_mesh  # [08]
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe  # [08]
+from torch.utils.data import DistributedSampler, Subset  # [04]
+from tqdm import tqdm
+
+from common import data, distributed, flags, models, utils  # [04]
+
+SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}  # [08]
+
+
+def parse_args():
+    parser = flags.build_parser(__file__, __doc__, epochs=10, batch_size=256, lr=0.2)
+    flags.add_cifar10_arguments(parser)
+    flags.add_amp_argument(parser)  # [02]
+    parser.add_argument("--stages", type=flags.positive_int, help="pipeline stages (default: all ranks)")  # [08]
+    parser.add_argument("--microbatches", type=flags.positive_int, default=4, help="per replica's batch")  # [08]
+    parser.add_argument("--schedule", choices=list(SCHEDULES), default="1f1b", help="GPipe or 1F1B")  # [08]
+    return parser.parse_args()
+
+
+def main():
+    args = parse_args()
+    utils.seed_everything(args.seed)
+    # torchrun tells each process its rank, its local rank (the GPU it drives) and the world size.
+    distributed.default_to_a_world_of_one()  # [04] started by plain `python`
+    rank, local_rank, world_size = (int(os.environ[name]) for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE"))  # [04]
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # [02]
+    if device.type == "cuda":  # [02]
+        distributed.require_one_gpu_per_process()  # [04]
+        torch.cuda.set_device(local_rank)  # [04] before any CUDA work, or every process would use GPU 0
+        utils.use_deterministic_kernels()  # [02] or --resume drifts from an uninterrupted run
+    else:  # [02]
+        distributed.print0("no GPU found: training on the CPU")  # [04]
+    amp_dtype = flags.AMP_DTYPES[args.amp]  # [02] None: plain fp32
+    if args.amp == "fp16":  # [08] a step skipped for an overflow would have to be skipped by every stage
+        raise utils.UsageError("--amp fp16: 08 has no loss scaling across pipeline stages; use --amp bf16")  # [08]
+    stages = args.stages or world_size  # [08]
+    if world_size % stages or stages > len(models.RESNET9_BLOCKS):  # [08]
+        raise utils.UsageError(f"--stages {stages} must divide the world size {world_size} and be at most "  # [08]
+                               f"{len(models.RESNET9_BLOCKS)}, ResNet-9's blocks")  # [08]
+    replicas = world_size // stages  # [08] each replica is a whole pipeline
+    if args.batch_size % (replicas * args.microbatches):  # [08] each replica cuts its share into micro-batches
+        raise utils.UsageError(f"--batch-size {args.batch_size} is not divisible by {replicas} replica(s) x "  # [08]
+                               f"--microbatches {args.microbatches}")  # [08]
+    batch_size = args.batch_size // replicas  # [08] per replica: every stage of a replica sees this batch
+
+    # Before the process group, whose timeout a slow download would outlast (one process per machine downloads).
+    if not args.synthetic:
+        data.download_cifar10(args.data_dir)
+    # 5 minutes, not 30: a job whose rank died fails soon. device_id: NCCL joins this process's GPU now.
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=datetime.timedelta(minutes=5),  # [04]
+                            device_id=torch.device("cuda", local_rank) if device.type == "cuda" else None)  # [04]
+    # rank = stage x replicas + replica: the gradient all-reduce (large) stays within a machine, not the stages.
+    mesh = init_device_mesh(device.type, (stages, replicas), mesh_dim_names=("pp", "dp"))  # [08]
+    stage_index, replica = mesh["pp"].get_local_rank(), mesh["dp"].get_local_rank()  # [08]
+    train_set, test_set = data.load_cifar10(args.data_dir, args.synthetic, seed=args.seed)
+    if args.batch_size > len(train_set):
+        raise utils.UsageError(f"--batch-size {args.batch_size} is larger than the training set ({len(train_set)})")
+    # Every rank shuffles alike and keeps every world_size-th sample: disjoint shares of 01's global batch.
+    # Per replica: all its stages read the same batches (the first stage uses the images, the last the labels).
+    sampler = DistributedSampler(train_set, num_replicas=replicas, rank=replica, seed=args.seed, drop_last=True)  # [08]
+    # Whole batches, cut and augmented on `device` in a few tensor operations (docs/data-and-model.md).
+    train_loader = data.BatchLoader(train_set, batch_size, sampler=sampler, drop_last=True,  # [04]
+                                    device=device, num_workers=args.num_workers)
+    # A disjoint slice per rank; DistributedSampler would pad the slices with repeats, counting some twice.
+    test_shard = Subset(test_set, range(replica, len(test_set), replicas))  # [08]
+    test_loader = data.BatchLoader(test_shard, batch_size, device=device, num_workers=args.num_workers)  # [04]
+
+    model = models.ResNet9(norm=args.norm, width=args.width)  # [08]
+    # Every rank builds the whole model from one seed and keeps its stage's blocks: one process's initial weights.
+    model = models.pipeline_stage(model, stage_index, stages).to(device)  # [08]
+    # Sends its outputs to the next stage's rank and receives its inputs, in the first micro-batch's shapes.
+    stage = PipelineStage(model, stage_index, stages, device, group=mesh["pp"].get_group())  # [08]
+    # Each micro-batch's loss is its mean, and the stages add up the micro-batches' gradients: the schedule
+    # divides them by their number (scale_grads, the default), which gives the whole batch's gradients.
+    loss_fn = functools.partial(F.cross_entropy, label_smoothing=args.label_smoothing)  # [08]
+    schedule = SCHEDULES[args.schedule](stage, n_microbatches=args.microbatches, loss_fn=loss_fn)  # [08]
+    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9, nesterov=True, weight_decay=5e-4)
+    total_steps = args.epochs * len(train_loader)
+    scheduler = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=args.lr, total_steps=total_steps)
+    last_step = min(args.max_steps, total_steps) if args.max_steps else total_steps
+
+    step, start_epoch = 0, 0
+    # torchrun --max-restarts=K restarts every process after a failure: continue from the last checkpoint.
+    restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0  # [04]
+    if args.resume or (restarted and os.path.isfile(os.path.join(args.output_dir, "checkpoints", "latest"))):  # [08]
+        step, start_epoch = load_checkpoint(args, model, optimizer, scheduler, device)  # [08]
+
+    meter = utils.Throughput()
+    start_time = time.perf_counter()
+    history = []  # per epoch, for benchmarks/report.py
+    for epoch in range(start_epoch, args.epochs):
+        sampler.set_epoch(epoch)  # [04] without it, DistributedSampler repeats epoch 0's order forever
+        train_set.set_epoch(epoch)  # augmentation draws depend on (seed, epoch, sample) only
+        meter.start()
+        train_loss, new_step = train_one_epoch(args, schedule, stage, mesh, train_loader, optimizer, scheduler,  # [08]
+                                               amp_dtype, device, epoch, step, last_step)  # [08]
+        meter.stop((new_step - step) * args.batch_size)
+        step = new_step
+        test_loss, test_accuracy, test_samples = evaluate(schedule, stage, mesh, test_loader, batch_size,  # [08]
+                                                          device, amp_dtype, args.tta)  # [08]
+        utils.check_finite(test_loss, step, "test")  # weights that are no longer numbers: write nothing from them
+        history.append({"step": step, "elapsed_seconds": time.perf_counter() - start_time, "train_loss": train_loss,
+                        "test_loss": test_loss, "test_accuracy": test_accuracy})
+        distributed.print0(  # [04]
+            f"epoch {epoch + 1}/{args.epochs}  step {step}  train_loss {train_loss:.4f}  "
+            f"test_loss {test_loss:.4f}  test_accuracy {test_accuracy:.4f}  "
+            f"samples/s {meter.samples_per_second:.1f}  elapsed {history[-1]['elapsed_seconds']:.1f}s")
+        if step >= last_step:
+            break
+
+    metrics = {
+        "script": os.path.basename(__file__),
+        "data": "synthetic" if args.synthetic else "cifar10",
+        "device": device.type,
+        "amp": args.amp,  # [02]
+        "world_size": world_size,  # [04]
+        "stages": stages, "microbatches": args.microbatches, "schedule": args.schedule,  # [08]
+        "global_batch_size": args.batch_size,
+        "steps": step,
+        "epochs_completed": step // len(train_loader),
+        "train_loss": train_loss,
+        "test_loss": test_loss,
+        "test_accuracy": test_accuracy,
+        "test_samples": test_samples,
+        "samples_per_second": meter.samples_per_second,
+        "wall_seconds": time.perf_counter() - start_time,
+        "history": history,
+    }
+    # The first replica's stages send rank 0 their parts, on the CPU (not on another rank's GPU), with ResNet9's keys.
+    stage_part = {key: value.cpu() for key, value in model.state_dict().items()} if replica == 0 else {}  # [08]
+    parts = [None] * world_size if rank == 0 else None  # [08]
+    dist.gather_object(stage_part, parts, dst=0)  # [08] a collective: every rank, outside the rank-0 branch
+    if rank == 0:  # [04] one writer. No collective in here: the other ranks would never join it.
+        whole = {key: value for part in parts for key, value in part.items()}  # [08]
+        utils.save_atomic(whole, os.path.join(args.output_dir, "model.pt"))  # [08]
+        utils.write_json(metrics, os.path.join(args.output_dir, "metrics.json"))  # [04]
+    # Leave together: a gloo rank that tears down its connections while rank 0 is still writing can abort.
+    dist.barrier()  # [04]
+    dist.destroy_process_group()  # [04]
+
+
+def train_one_epoch(args, schedule, stage, mesh, loader, optimizer, scheduler,  # [08]
+                    amp_dtype, device, epoch, step, last_step):  # [08]
+    """Train until the end of `epoch` or `last_step`; returns the mean loss and the new step."""
+    stage.submod.train()  # [08]
+    done = step - epoch * len(loader)  # batches of this epoch already trained (resuming mid-epoch)
+    end = min(len(loader), done + last_step - step)
+    loss_sum = torch.zeros((), device=device)
+    progress = tqdm(loader.batches(done, end), total=end - done,
+                    desc=f"epoch {epoch + 1}", leave=False, disable=dist.get_rank() != 0)  # [04]
+    for images, labels in progress:
+        optimizer.zero_grad(set_to_none=True)  # [08] before the schedule, whose backward passes fill the gradients
+        losses = []  # [08] the last stage's: one loss per micro-batch
+        with torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None):  # [02]
+            # Every micro-batch's forward and backward, in the schedule's order; the last stage computes the losses.
+            schedule.step(*[images] if stage.is_first else [], target=labels, losses=losses)  # [08]
+        # The replicas average their gradients, as DDP does (DDP cannot wrap a stage: docs/pipeline-parallel.md).
+        for parameter in stage.submod.parameters():  # [08]
+            dist.all_reduce(parameter.grad, group=mesh["dp"].get_group())  # [08]
+            parameter.grad /= mesh["dp"].size()  # [08]
+        optimizer.step()  # [08]
+        scheduler.step()
+        step += 1
+        # Only the last stage has a loss; the others add zeros, which the sum over all ranks leaves out.
+        loss = torch.stack(losses).mean() if stage.is_last else torch.zeros((), device=device)  # [08]
+        loss_sum += loss.detach()
+        checkpoint_due = args.save_every and (step % args.save_every == 0 or step == last_step)
+        if step % 10 == 0 or step == last_step or checkpoint_due:  # reading the loss waits for the step to finish
+            # Every rank runs the all-reduce, not rank 0 alone: a diverged run stops on all at the same step.
+            logged_loss = distributed.all_reduce_mean(loss).item() * mesh["pp"].size()  # [08] the replicas' mean
+            utils.check_finite(logged_loss, step)  # a diverged run stops here, before it saves its NaN weights
+            progress.set_postfix(loss=f"{logged_loss:.3f}")
+        if checkpoint_due:  # [08] every rank: each stage writes its own part
+            save_checkpoint(args, stage.submod, mesh["dp"].get_group(), optimizer, scheduler, epoch, step)  # [08]
+    return distributed.all_reduce_mean(loss_sum).item() * mesh["pp"].size() / max(end - done, 1), step  # [08]
+
+
+@torch.no_grad()
+def evaluate(schedule, stage, mesh, loader, batch_size, device, amp_dtype, tta):  # [08]
+    """Mean loss and accuracy over the whole test set; returns them and the number of samples."""
+    stage.submod.eval()  # [08]
+    # The first replica's BatchNorm statistics in every replica, the ones that model.pt keeps.
+    distributed.broadcast_buffers(stage.submod, group=mesh["dp"].get_group())  # [08]
+    totals = torch.zeros(3, dtype=torch.float64, device=device)  # loss sum, correct, samples
+    for images, labels in loader:
+        # The stages expect the training shapes: pad a smaller last batch with zeros, count only the real samples.
+        count = len(labels)  # [08]
+        images = torch.cat([images, images.new_zeros(batch_size - count, *images.shape[1:])])  # [08]
+        padded_labels = torch.cat([labels, labels.new_zeros(batch_size - count)])  # [08]
+        with torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None):  # [02]
+            # Forward passes only. The last stage gets the logits of the whole batch, the others None.
+            logits = schedule.eval(*[images] if stage.is_first else [], target=padded_labels)  # [08]
+            if tta:  # [08] test-time augmentation (models.predict): the mirror images through the pipeline too
+                mirrored = schedule.eval(*[images.flip(-1)] if stage.is_first else [], target=padded_labels)  # [08]
+        if not stage.is_last:  # [08] its totals stay 0
+            continue  # [08]
+        logits = (logits + mirrored) / 2 if tta else logits  # [08]
+        logits = logits[:count]  # [08]
+        totals[0] += F.cross_entropy(logits.float(), labels, reduction="sum")
+        totals[1] += (logits.argmax(dim=1) == labels).sum()
+        totals[2] += len(labels)
+    dist.all_reduce(totals)  # [04] sums over ranks: each holds the totals of its own slice
+    loss_sum, correct, samples = totals.tolist()
+    return loss_sum / samples, correct / samples, int(samples)
+
+
+# Optimizer state under each parameter's name (not per stage, whose groups would collide in the checkpoint).
+CHECKPOINT_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)  # [08]
+
+
+def save_checkpoint(args, model, dp_group, optimizer, scheduler, epoch, step):  # [08]
+    """Everything a resumed run needs to continue as if it had never stopped."""
+    directory = os.path.join(args.output_dir, "checkpoints")  # [08]
+    # What the replicas hold alike is written once, from any: make BatchNorm's statistics the first replica's.
+    distributed.broadcast_buffers(model, group=dp_group)  # [08]
+    model_state, optimizer_state = get_state_dict(model, optimizer, options=CHECKPOINT_OPTIONS)  # [08]
+    dcp.save({"model": model_state, "optimizer": optimizer_state},  # [08]
+             checkpoint_id=os.path.join(directory, f"step{step}"))  # [08]
+    if dist.get_rank() != 0:  # [08] the rest is the same on every rank: one writer
+        return  # [08]
+    utils.save_atomic({
+        "scheduler": scheduler.state_dict(),
+        "epoch": epoch,
+        "step": step,
+        "rng": utils.get_rng_state(),
+        "batch_size": args.batch_size,
+        "epochs": args.epochs,
+        "seed": args.seed,
+        "width": args.width,
+    }, os.path.join(directory, f"step{step}", "train_state.pt"))  # [08]
+    # `latest` last, atomically: a crash mid-save leaves it naming the previous, complete checkpoint.
+    utils.write_text(f"step{step}", os.path.join(directory, "latest"))  # [08]
+    utils.remove_other_checkpoints(directory, keep=f"step{step}")  # [08]
+
+
+def load_checkpoint(args, model, optimizer, scheduler, device):  # [08]
+    """Restore `save_checkpoint`'s state; returns the step and the epoch to continue from."""
+    directory = utils.latest_checkpoint(os.path.join(args.output_dir, "checkpoints"))  # [08]
+    checkpoint = utils.load_checkpoint(os.path.join(directory, "train_state.pt"), map_location=device)  # [08]
+    utils.check_resumable(checkpoint, batch_size=args.batch_size, epochs=args.epochs, seed=args.seed, width=args.width)
+    # Every rank reads its own stage's parameters and their optimizer state, whoever wrote them.
+    model_state, optimizer_state = get_state_dict(model, optimizer, options=CHECKPOINT_OPTIONS)  # [08]
+    dcp.load({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=directory)  # [08]
+    set_state_dict(model, optimizer, model_state_dict=model_state, optim_state_dict=optimizer_state,  # [08]
+                   options=CHECKPOINT_OPTIONS)  # [08]
+    scheduler.load_state_dict(checkpoint["scheduler"])
+    utils.set_rng_state(checkpoint["rng"])
+    distributed.print0(f"resumed from step {checkpoint['step']}")  # [04]
+    return checkpoint["step"], checkpoint["epoch"]
+
+
+if __name__ == "__main__":
+    utils.run(main, skip_python_shutdown=True)  # [04] gloo threads would abort Python's shutdown (see utils.run)

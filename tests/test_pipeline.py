@@ -1,0 +1,118 @@
+"""Step 08 as users launch it on the CPU: pipeline stages under torchrun, alone (2 stages) and with
+data parallelism (2 stages x 2 replicas), exact evaluation, the whole model in model.pt, checkpoints
+written stage by stage that resume exactly. Parity with 01 in float64 is in tests/test_parity.py, a
+killed worker in tests/test_faults.py, bad input in tests/test_errors.py."""
+
+import json
+
+import pytest
+from jobs import SMOKE_ARGS, run_job
+from launch import python, torchrun
+from outputs import check_ok, check_smoke_run, read_metrics
+from resume import END_STEP, check_exact_resume
+
+SCRIPT = "08_cifar10_pipeline.py"
+
+
+@pytest.mark.parametrize("nproc, args, stages", [
+    (1, [], 1),  # plain python: a world of one, one stage
+    (2, [], 2),  # the default: as many stages as processes
+    (4, ["--stages", 2, "--schedule", "gpipe"], 2),  # 2 stages x 2 replicas
+])
+def test_pipeline_step(nproc, args, stages, tmp_path):
+    command = [*SMOKE_ARGS, *args, "--output-dir", tmp_path]
+    result = check_ok(run_job(torchrun(nproc, SCRIPT, *command) if nproc > 1 else python(SCRIPT, *command)))
+    check_smoke_run(tmp_path, SCRIPT, world_size=nproc)  # model.pt: every stage's part, with ResNet9's keys
+    assert (read_metrics(tmp_path)["stages"], read_metrics(tmp_path)["microbatches"]) == (stages, 4)
+    assert result.stdout.count("epoch 1/1") == 1  # rank 0 alone prints
+
+
+def test_resume_mid_epoch_matches_uninterrupted_run(tmp_path):
+    """2 stages x 2 replicas: each stage writes its part of the weights and optimizer state once (the two
+    replicas hold it alike), each rank reads back its own; `latest` names the newest complete checkpoint."""
+    stopped, _ = check_exact_resume(lambda *args: torchrun(4, SCRIPT, *args, "--stages", 2), tmp_path)
+    checkpoints = stopped / "checkpoints"
+    assert (checkpoints / "latest").read_text() == f"step{END_STEP}"
+    assert sorted(path.name for path in checkpoints.iterdir()) == ["latest", f"step{END_STEP}"]
+
+
+# Two optimizer steps of 2 stages x 4 micro-batches of 2 samples, in float64 with GroupNorm, every action of
+# the schedule recorded (tests/collectives.py). The second step is compared: the first also agrees on the
+# shapes that the stages exchange.
+TRACE_ARGS = ["--synthetic", "--num-workers", 0, "--batch-size", 8, "--epochs", 1, "--max-steps", 2,
+              "--norm", "group", "--lr", 0.1]
+POINT_TO_POINT = {"send", "recv", "isend", "irecv", "batch_isend_irecv"}
+
+
+@pytest.fixture(scope="module")
+def traced(tmp_path_factory):
+    """traced(name): {stage: the second step's record} of the run `name`: 2 stages under "gpipe" or "1f1b",
+    or "one process": one stage and one micro-batch, the whole batch's backward as 01 computes it."""
+    records = {}
+
+    def trace(name):
+        if name not in records:
+            record_dir = tmp_path_factory.mktemp("trace")
+            args = ["benchmarks/float64.py", "tests/collectives.py", SCRIPT, *TRACE_ARGS, "--output-dir", record_dir]
+            command = (python(*args, "--microbatches", 1) if name == "one process"
+                       else torchrun(2, *args, "--schedule", name))
+            check_ok(run_job(command, env={"COLLECTIVES_DIR": str(record_dir)}))
+            steps = [json.loads(path.read_text()) for path in sorted(record_dir.glob("collectives-rank*.json"))]
+            assert all(len(ranks_steps) == 2 for ranks_steps in steps)
+            records[name] = {ranks_steps[1]["stage"]: ranks_steps[1] for ranks_steps in steps}
+        return records[name]
+    return trace
+
+
+def compute(record):
+    return [action for action in record["actions"] if " " not in action]
+
+
+def in_flight(record):
+    """The most micro-batches whose activations the stage held at once: forwarded, not yet backwarded."""
+    held = peak = 0
+    for action in compute(record):
+        held += 1 if action.startswith("F") else -1
+        peak = max(peak, held)
+    return peak
+
+
+FORWARDS, BACKWARDS = [f"F{index}" for index in range(4)], [f"B{index}" for index in range(4)]
+
+
+def test_gpipe_runs_every_forward_before_any_backward(traced):
+    for record in traced("gpipe").values():
+        assert compute(record) == FORWARDS + BACKWARDS
+        assert in_flight(record) == 4  # every micro-batch's activations at once
+
+
+def test_1f1b_alternates_once_the_pipe_is_full(traced):
+    """Stage 0 starts one micro-batch ahead (one per later stage), then alternates: it holds 2 micro-batches'
+    activations at most, the last stage 1, whatever the number of micro-batches."""
+    first, last = traced("1f1b")[0], traced("1f1b")[1]
+    assert compute(first) == ["F0", "F1", "B0", "F2", "B1", "F3", "B2", "B3"]
+    assert compute(last) == ["F0", "B0", "F1", "B1", "F2", "B2", "F3", "B3"]
+    assert (in_flight(first), in_flight(last)) == (2, 1)
+
+
+def test_both_schedules_send_the_same_messages_point_to_point(traced):
+    """The same activations forward and gradients back, in another order; no collective of the whole group
+    inside the schedule (the replicas' gradient all-reduce comes after it)."""
+    for schedule in ("gpipe", "1f1b"):
+        first, last = traced(schedule)[0], traced(schedule)[1]
+        assert sorted(a for a in first["actions"] if " " in a) == sorted(
+            [f"send {f}" for f in FORWARDS] + [f"recv {b}" for b in BACKWARDS])
+        assert sorted(a for a in last["actions"] if " " in a) == sorted(
+            [f"recv {f}" for f in FORWARDS] + [f"send {b}" for b in BACKWARDS])
+        assert set(first["collectives"]) | set(last["collectives"]) <= POINT_TO_POINT
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_the_pipeline_gradients_are_one_process_gradients(schedule, traced):
+    """Each micro-batch's loss is a mean over its 2 samples, and the stages add up the gradients of the 4
+    micro-batches: the schedule's scale_grads divides them by 4. Then they are the whole batch's gradients
+    as one process computes them (without the division, 4 times as large)."""
+    pipeline = traced(schedule)[0]["gradient_norms"] + traced(schedule)[1]["gradient_norms"]
+    reference = traced("one process")[0]["gradient_norms"]
+    assert len(pipeline) == len(reference)
+    assert max(abs(a - b) / b for a, b in zip(pipeline, reference, strict=True)) < 1e-12
