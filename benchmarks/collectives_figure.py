@@ -11,14 +11,11 @@ ZeRO split one all-reduce in two (docs/collectives.md).
 
 import argparse
 import datetime
-import sys
-import time
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
-from launch import free_port
+from launch import in_local_processes
 
 WORLD_SIZE = 4
 # A peer that never arrives fails the run in seconds: gloo's default wait is 30 minutes.
@@ -36,10 +33,8 @@ def parse_args(argv=None):
     return parser.parse_args(argv)
 
 
-def collectives(rank, port, queue):
+def collectives(rank):
     """One process: every collective once, on tensors that show where each value came from."""
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD_SIZE,
-                            timeout=TIMEOUT)
     # Rank r holds 10(r + 1) + i at position i: the tens say which rank a value left, the units where.
     mine = torch.arange(WORLD_SIZE) + 10 * (rank + 1)
     results = {}
@@ -55,24 +50,12 @@ def collectives(rank, port, queue):
     t = torch.empty(WORLD_SIZE, dtype=mine.dtype)
     dist.all_gather_single(t, shard)  # every rank gets every rank's shard, in rank order
     results["all-gather"] = (shard.tolist(), t.tolist())
-    queue.put((rank, results))
-    dist.destroy_process_group()
+    return results
 
 
 def measure():
     """{collective: [(before, after) of rank 0, 1, ...]}, from 4 real processes."""
-    # Forked, not spawned: a spawned process imports torch again, which is most of this script's time.
-    queue = mp.get_context("fork").SimpleQueue()
-    processes = mp.start_processes(collectives, args=(free_port(), queue), nprocs=WORLD_SIZE, join=False,
-                                   start_method="fork")
-    limit = TIMEOUT.total_seconds() + 30  # the start-up, then the group's own timeout
-    deadline = time.monotonic() + limit
-    while not processes.join(timeout=1):  # a process that fails raises here, after stopping the others
-        if time.monotonic() > deadline:
-            for process in processes.processes:
-                process.kill()
-            sys.exit(f"error: the collectives did not finish in {limit:.0f} s")
-    by_rank = dict(queue.get() for _ in range(WORLD_SIZE))
+    by_rank = in_local_processes(collectives, WORLD_SIZE, TIMEOUT)
     return {name: [by_rank[rank][name] for rank in range(WORLD_SIZE)] for name, _ in CALLS}
 
 

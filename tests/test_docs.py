@@ -42,9 +42,23 @@ OUTPUTS = {"metrics.json"}
 README_WORDS = 2500
 # A Python block that quotes a script has a caption naming it on the line before: From `04_cifar10_ddp.py`:
 QUOTE = re.compile(r"^From `([\w./-]+\.py)`:\n```python\n(.*?)^```", re.S | re.M)
-FIGURE_COMMAND = "python benchmarks/collectives_figure.py --output docs/collectives.png"
-# The output that docs/collectives.md shows, under the caption that names the command.
-FIGURE_OUTPUT = re.compile(rf"^Output of `{re.escape(FIGURE_COMMAND)}`:\n```text\n(.*?)^```", re.S | re.M)
+
+
+def figure_output(page, script, picture):
+    """The output of `python benchmarks/SCRIPT --output docs/PICTURE` that `page` shows, under the caption that
+    names the command."""
+    command = f"python benchmarks/{script} --output docs/{picture}"
+    [shown] = re.findall(rf"^Output of `{re.escape(command)}`:\n```text\n(.*?)^```", PAGES[page], re.S | re.M)
+    return shown
+
+
+def run_figure_script(script, tmp_path, picture):
+    """Run a picture's script as the docs do, check both pictures are PNGs small enough to commit; its output."""
+    png = tmp_path / picture
+    result = check_ok(run_job(python(ROOT / "benchmarks" / script, "--output", png), timeout=120))
+    for drawn in (png, ROOT / "docs" / picture):
+        assert drawn.read_bytes().startswith(b"\x89PNG") and drawn.stat().st_size < 200 * 1024
+    return result.stdout.removesuffix(f"wrote {png}\n")
 
 
 def shell_commands(text):
@@ -206,10 +220,9 @@ def test_no_page_shows_the_backend_copy_trap():
 
 
 def test_the_collectives_figure_shows_what_4_processes_compute(tmp_path):
-    png = tmp_path / "collectives.png"
-    result = check_ok(run_job(python(ROOT / "benchmarks" / "collectives_figure.py", "--output", png), timeout=120))
+    output = run_figure_script("collectives_figure.py", tmp_path, "collectives.png")
     runs, name = {}, None
-    for line in result.stdout.splitlines():
+    for line in output.splitlines():
         if header := re.fullmatch(r"([\w-]+): dist\.\w+\(.*\)", line):
             name = header[1]
             runs[name] = []
@@ -222,8 +235,20 @@ def test_the_collectives_figure_shows_what_4_processes_compute(tmp_path):
     assert runs["all-reduce"] == [(held, total) for held in before]
     assert runs["reduce-scatter"] == [(held, [element]) for held, element in zip(before, total, strict=True)]
     assert runs["all-gather"] == [([element], total) for element in total]
-    # The glossary shows this very output, and the picture drawn from it is small enough to commit.
-    [shown] = FIGURE_OUTPUT.findall(PAGES["docs/collectives.md"])
-    assert shown == result.stdout.removesuffix(f"wrote {png}\n")
-    for picture in (png, ROOT / "docs" / "collectives.png"):
-        assert picture.read_bytes().startswith(b"\x89PNG") and picture.stat().st_size < 200 * 1024
+    # The glossary shows this very output.
+    assert figure_output("docs/collectives.md", "collectives_figure.py", "collectives.png") == output
+
+
+def test_the_pipeline_figure_shows_the_bubble_and_the_memory_of_each_schedule(tmp_path):
+    """4 stages: the bubble is (S - 1) / (M + S - 1) of a step under both schedules; GPipe's stages hold every
+    micro-batch's activations, 1F1B's stage s at most S - s."""
+    output = run_figure_script("pipeline_figure.py", tmp_path, "pipeline-parallel.png")
+    rows = re.findall(r"^(GPipe|1F1B) +(\d+) +(\d+) +(\d+)%  ([\d ]+)$", output, re.M)
+    assert len(rows) == 6
+    for schedule, microbatches, units, bubble, held in rows:
+        microbatches, stages = int(microbatches), 4
+        assert int(units) == 3 * (microbatches + stages - 1)  # a forward 1 unit, a backward 2
+        assert int(bubble) == round(100 * (stages - 1) / (microbatches + stages - 1))
+        expected = [microbatches] * stages if schedule == "GPipe" else [stages - stage for stage in range(stages)]
+        assert [int(count) for count in held.split()] == expected
+    assert figure_output("docs/pipeline-parallel.md", "pipeline_figure.py", "pipeline-parallel.png") == output
