@@ -18,5 +18,7 @@ torchrun --standalone --nproc_per_node=$procs 04_cifar10_ddp.py "${args[@]}"
 OMP_NUM_THREADS=$threads deepspeed --num_gpus=$procs 05_cifar10_deepspeed.py "${args[@]}"
 torchrun --standalone --nproc_per_node=$procs 06_mnist_accelerate.py "${args[@]}"
 torchrun --standalone --nproc_per_node=$procs 07_cifar10_fsdp.py "${args[@]}"
+# 2 pipeline stages (x replicas for the other processes); a single or an odd number of processes: 1 stage.
+torchrun --standalone --nproc_per_node=$procs 08_cifar10_pipeline.py "${args[@]}" --stages $((procs % 2 ? 1 : 2))
 python benchmarks/report.py runs/0*/ --output runs/tour.png --title "bash tour.sh, $([ "$gpus" -gt 0 ] && echo "$gpus GPUs" || echo "CPU only")"
 echo "tour finished: outputs in runs/, the picture in runs/tour.png"
