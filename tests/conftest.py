@@ -33,8 +33,13 @@ def downloads_fail_at_once():
 
 
 @pytest.fixture(scope="session")
-def ddp_weights(tmp_path_factory):
-    """model.pt of step 04 (DDP, 2 processes) after a smoke run: the steps that 05 and 07 must take too."""
+def ddp_run(tmp_path_factory):
+    """Step 04's smoke run with 2 processes (DDP): (its output directory, its completed process)."""
     output_dir = tmp_path_factory.mktemp("ddp")
-    check_ok(run_job(torchrun(2, "04_cifar10_ddp.py", *SMOKE_ARGS, "--output-dir", output_dir)))
-    return output_dir / "model.pt"
+    return output_dir, check_ok(run_job(torchrun(2, "04_cifar10_ddp.py", *SMOKE_ARGS, "--output-dir", output_dir)))
+
+
+@pytest.fixture(scope="session")
+def ddp_weights(ddp_run):
+    """model.pt of step 04's smoke run with 2 processes: the steps that 05 and 07 must take too."""
+    return ddp_run[0] / "model.pt"

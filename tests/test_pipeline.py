@@ -14,14 +14,13 @@ from resume import END_STEP, check_exact_resume
 SCRIPT = "08_cifar10_pipeline.py"
 
 
+# Plain python, a world of one with one stage, runs below: the gradients' reference.
 @pytest.mark.parametrize("nproc, args, stages", [
-    (1, [], 1),  # plain python: a world of one, one stage
     (2, [], 2),  # the default: as many stages as processes
     (4, ["--stages", 2, "--schedule", "gpipe"], 2),  # 2 stages x 2 replicas
 ])
 def test_pipeline_step(nproc, args, stages, tmp_path):
-    command = [*SMOKE_ARGS, *args, "--output-dir", tmp_path]
-    result = check_ok(run_job(torchrun(nproc, SCRIPT, *command) if nproc > 1 else python(SCRIPT, *command)))
+    result = check_ok(run_job(torchrun(nproc, SCRIPT, *SMOKE_ARGS, *args, "--output-dir", tmp_path)))
     check_smoke_run(tmp_path, SCRIPT, world_size=nproc)  # model.pt: every stage's part, with ResNet9's keys
     assert (read_metrics(tmp_path)["stages"], read_metrics(tmp_path)["microbatches"]) == (stages, 4)
     assert result.stdout.count("epoch 1/1") == 1  # rank 0 alone prints
