@@ -108,11 +108,8 @@ def test_zero0_checkpoint_resumes_at_another_world_size(tmp_path):
 @pytest.mark.parametrize("launcher, nproc, args, message", [
     ("deepspeed", 3, ["--batch-size", 32], "--batch-size 32 is not divisible by the world size 3"),
     ("python", 1, ["--resume"], "--resume: no checkpoint in"),
-    ("python", 1, ["--amp", "fp16"], "DeepSpeed has no fp16 on the CPU"),  # 02-04 and 07 run it there
-])
+])  # --amp fp16 on a CPU: tests/test_errors.py (the table's row)
 def test_bad_input_is_one_line(launcher, nproc, args, message, tmp_path):
-    if "fp16" in args and ON_GPU:
-        pytest.skip("a GPU machine accepts --amp fp16")
     result = launch(launcher, nproc, *SYNTHETIC_ARGS, *args, "--output-dir", tmp_path, timeout=120)
     check_one_error(result, message)
     assert not (tmp_path / "metrics.json").exists()
