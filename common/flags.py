@@ -115,12 +115,16 @@ def add_norm_argument(parser):
                              "on how the batch is split across processes (docs/parity.md)")
 
 
-def add_cifar10_arguments(parser):
-    """The CIFAR-10 steps' model and recipe flags (docs/data-and-model.md). The defaults keep the CPU tour
-    quick."""
-    add_norm_argument(parser)
-    parser.add_argument("--width", type=positive_int, default=32,
-                        help="ResNet-9's channels in its first stage: 32 (half the original), 64 (the original)")
+def add_cifar10_arguments(parser, model="resnet9"):
+    """The CIFAR-10 steps' model and recipe flags (docs/data-and-model.md), for ResNet-9 or for step 09's vision
+    transformer ("vit"). The defaults keep the CPU tour quick."""
+    if model == "resnet9":
+        add_norm_argument(parser)
+        parser.add_argument("--width", type=positive_int, default=32,
+                            help="ResNet-9's channels in its first stage: 32 (half the original), 64 (the original)")
+    else:
+        parser.add_argument("--width", type=positive_int, default=128,
+                            help="the transformer's features per token (a multiple of its 4 attention heads)")
     parser.add_argument("--label-smoothing", type=_unit_fraction, default=0.0,
                         help="the weight of the uniform distribution mixed into each training target")
     parser.add_argument("--tta", action="store_true",
@@ -128,7 +132,7 @@ def add_cifar10_arguments(parser):
 
 
 def add_dropout_argument(parser):
-    """--no-dropout: MnistCNN's counterpart of --norm group (step 06)."""
+    """--no-dropout: the counterpart of --norm group for the models with dropout (steps 06 and 09)."""
     parser.add_argument("--no-dropout", action="store_true",
                         help="train without dropout, so that the result does not depend on the number of processes "
                              "(docs/parity.md)")
