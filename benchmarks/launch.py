@@ -29,8 +29,9 @@ SCRIPTS = {
     "06": "06_mnist_accelerate.py",
     "07": "07_cifar10_fsdp.py",
     "08": "08_cifar10_pipeline.py",
+    "09": "09_cifar10_tensor_parallel.py",
 }
-BASES = {"02": "01", "03": "02", "04": "02", "05": "04", "06": "04", "07": "04", "08": "04"}
+BASES = {"02": "01", "03": "02", "04": "02", "05": "04", "06": "04", "07": "04", "08": "04", "09": "07"}
 
 
 def environment(extra=None):
@@ -66,12 +67,17 @@ def in_local_processes(function, world_size, timeout):
                                    nprocs=world_size, join=False, start_method="fork")
     limit = timeout.total_seconds() + 30
     deadline = time.monotonic() + limit
-    while not processes.join(timeout=1):
+    results = {}
+    # Read the results while waiting: a result larger than the pipe's buffer blocks its process until read.
+    while not processes.join(timeout=1) or not queue.empty():
+        while not queue.empty():
+            rank, result = queue.get()
+            results[rank] = result
         if time.monotonic() > deadline:
             for process in processes.processes:
                 process.kill()
             sys.exit(f"error: the {world_size} processes did not finish in {limit:.0f} s")
-    return dict(queue.get() for _ in range(world_size))
+    return results
 
 
 def python(script, *args):

@@ -61,16 +61,17 @@ def assert_same_weights(path_a, path_b):
     assert not different, f"{len(different)} tensors differ, first: {different[:3]}"
 
 
-def check_smoke_run(output_dir, script, world_size, amp="none", model_class=models.ResNet9, **model_options):
-    """A smoke run (SMOKE_ARGS) that learned and wrote the contract's outputs. `model_options`: how the run
-    built its model (for example width=16), as `models.load_weights` takes them."""
+def check_smoke_run(output_dir, script, world_size, amp="none", model_class=models.ResNet9, steps=SMOKE_STEPS,
+                    **model_options):
+    """A smoke run (SMOKE_ARGS, or `steps` steps) that learned and wrote the contract's outputs. `model_options`:
+    how the run built its model (for example width=16), as `models.load_weights` takes them."""
     metrics = read_metrics(output_dir)
     assert METRIC_KEYS <= metrics.keys()
     assert metrics["script"] == script
     device = "cuda" if ON_GPU and script != "01_cifar10_cpu.py" else "cpu"
     assert (metrics["data"], metrics["device"], metrics["amp"]) == ("synthetic", device, amp)
     assert metrics["world_size"] == world_size
-    assert (metrics["global_batch_size"], metrics["steps"], metrics["epochs_completed"]) == (24, SMOKE_STEPS, 0)
+    assert (metrics["global_batch_size"], metrics["steps"], metrics["epochs_completed"]) == (24, steps, 0)
     # Every test sample counted exactly once, whatever the world size (1,001 divides by none of 2-6).
     assert metrics["test_samples"] == data.SYNTHETIC_TEST_SIZE
     # Learned: an untrained net scores chance (0.10) at a loss of about ln(10). After 30 steps the accuracy is
@@ -82,7 +83,7 @@ def check_smoke_run(output_dir, script, world_size, amp="none", model_class=mode
     assert metrics["samples_per_second"] > 0
     # One epoch begun (--max-steps ends it early): one entry, the run's final figures.
     last_epoch = metrics["history"][-1]
-    assert len(metrics["history"]) == 1 and last_epoch["step"] == SMOKE_STEPS
+    assert len(metrics["history"]) == 1 and last_epoch["step"] == steps
     assert (last_epoch["test_accuracy"], last_epoch["train_loss"]) == (metrics["test_accuracy"], metrics["train_loss"])
     # A plain fp32 state_dict (no "module." prefix, no half-precision copy) that loads on the CPU.
     state = load_state(Path(output_dir) / "model.pt")

@@ -68,6 +68,12 @@ def cases(tmp, port):
             (torchrun(2, "08_cifar10_pipeline.py", *SYNTHETIC_ARGS, "--microbatches", 5, *out), {}, {}),
         "`--amp fp16` in 08 (no loss scaling across pipeline stages)":
             (python("08_cifar10_pipeline.py", *SYNTHETIC_ARGS, "--amp", "fp16", *out), {}, {}),
+        "`--tp-size` that does not divide the world size (09)":
+            (python("09_cifar10_tensor_parallel.py", *SYNTHETIC_ARGS, "--tp-size", 2, *out), {}, {}),
+        "`--tp-size` that does not divide the 4 attention heads (09)":
+            (torchrun(3, "09_cifar10_tensor_parallel.py", *SYNTHETIC_ARGS, "--tp-size", 3, *out), {}, {}),
+        "a `--width` that the 4 attention heads do not divide (09)":
+            (python("09_cifar10_tensor_parallel.py", *SYNTHETIC_ARGS, "--width", 30, *out), {}, {}),
         "`--batch-size` of 0 or less": (python("02_cifar10_gpu.py", *SYNTHETIC_ARGS, "--batch-size", 0, *out), {}, {}),
         "`--epochs` of 0 or less": (python("02_cifar10_gpu.py", *SYNTHETIC_ARGS, "--epochs", -1, *out), {}, {}),
         "an unknown `--amp`": (python("02_cifar10_gpu.py", *SYNTHETIC_ARGS, "--amp", "fp8", *out), {}, {}),
@@ -160,6 +166,7 @@ def test_more_processes_than_gpus(launcher, script, tmp_path):
     ("06", lambda *args: torchrun(2, "06_mnist_accelerate.py", *args)),
     ("07", lambda *args: torchrun(2, "07_cifar10_fsdp.py", *args)),
     ("08", lambda *args: torchrun(2, "08_cifar10_pipeline.py", *args)),
+    ("09", lambda *args: torchrun(2, "09_cifar10_tensor_parallel.py", *args)),
 ])
 def test_a_diverged_run_is_an_error(step, launch, tmp_path):
     """A learning rate far too high: the loss is no longer a number by the first check (step 10). The run

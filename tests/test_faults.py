@@ -26,7 +26,7 @@ def saved_step(output_dir):
 
 
 def latest_step(output_dir):
-    """The step of the checkpoint that `checkpoints/latest` names (05, 07, 08)."""
+    """The step of the checkpoint that `checkpoints/latest` names (05, 07-09)."""
     return int((output_dir / "checkpoints" / "latest").read_text().removeprefix("step"))
 
 
@@ -37,6 +37,7 @@ STEPS = {
     "06_mnist_accelerate.py": (MNIST_LR, saved_step),
     "07_cifar10_fsdp.py": ([], latest_step),
     "08_cifar10_pipeline.py": ([], latest_step),
+    "09_cifar10_tensor_parallel.py": ([], latest_step),
 }
 
 

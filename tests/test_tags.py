@@ -30,6 +30,9 @@ LESSONS = {
     "08": ["init_device_mesh(", "models.pipeline_stage(", "PipelineStage(", "SCHEDULES[args.schedule](",
            "schedule.step(", "dist.all_reduce(parameter.grad", "schedule.eval(", "dist.gather_object(", "dcp.save(",
            "dcp.load("],
+    "09": ["init_device_mesh(", "models.VisionTransformer(", "ColwiseParallel(", "RowwiseParallel(",
+           "SequenceParallel(", "PrepareModuleInput(", "parallelize_module(", "fully_shard(block, mesh=",
+           "loss_parallel()", ".full_tensor()"],
 }
 
 

@@ -1,0 +1,309 @@
+"""Step 09: layers split across ranks: tensor and sequence parallelism on a 2D mesh, with FSDP2 across it.
+
+New (relative to step 07; lines marked `# [09]`): the model is a small vision transformer (tensor parallelism
+splits linear layers), and a group of `--tp-size` ranks computes each layer together. The attention heads and
+the MLP's hidden features are split across the group (the first projection of each by columns, the second by
+rows); between them, where every rank would otherwise repeat the same work, the norms and dropouts run on a
+slice of the tokens each (sequence parallelism). The group sees the same batch; world size / `--tp-size` such
+groups split each batch, sharded with FSDP2 as in 07. The loss is computed from logits split by class.
+Without GPUs: gloo on the CPU.
+
+Launch:
+    torchrun --nproc_per_node=N 09_cifar10_tensor_parallel.py --tp-size 2 --amp bf16   # N GPUs on this machine
+    torchrun --standalone --nproc_per_node=2 09_cifar10_tensor_parallel.py --synthetic --epochs 1   # CPU (gloo)
+    torchrun --standalone --nproc_per_node=4 09_cifar10_tensor_parallel.py --synthetic --epochs 1   # tp 2 x dp 2
+"""
+
+import dataclasses  # [07]
+import datetime  # [04]
+import logging  # [09]
+import os
+import time
+
+import torch
+import torch.distributed as dist  # [04]
+import torch.distributed.checkpoint as dcp  # [07]
+import torch.nn.functional as F
+from torch.distributed.checkpoint.state_dict import (  # [07] the sharded state, in and out
+    StateDictOptions,  # [07]
+    get_model_state_dict,  # [07]
+    get_state_dict,  # [07]
+    set_state_dict,  # [07]
+)  # [07]
+from torch.distributed.device_mesh import init_device_mesh  # [09]
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard  # [07]
+from torch.distributed.tensor import Replicate, Shard  # [09]
+from torch.distributed.tensor.parallel import (  # [09]
+    ColwiseParallel,  # [09]
+    PrepareModuleInput,  # [09]
+    PrepareModuleOutput,  # [09]
+    RowwiseParallel,  # [09]
+    SequenceParallel,  # [09]
+    loss_parallel,  # [09]
+    parallelize_module,  # [09]
+)  # [09]
+from torch.utils.data import DistributedSampler, Subset  # [04]
+from tqdm import tqdm
+
+from common import data, distributed, flags, models, utils  # [04]
+
+
+def parse_args():
+    parser = flags.build_parser(__file__, __doc__, epochs=10, batch_size=256, lr=0.2)
+    flags.add_cifar10_arguments(parser, model="vit")  # [09]
+    flags.add_dropout_argument(parser)  # [09]
+    flags.add_amp_argument(parser)  # [02]
+    parser.add_argument("--tp-size", type=flags.positive_int, help="ranks per layer (default: 2, or 1 alone)")  # [09]
+    return parser.parse_args()
+
+
+def main():
+    args = parse_args()
+    utils.seed_everything(args.seed)
+    # torchrun tells each process its rank, its local rank (the GPU it drives) and the world size.
+    distributed.default_to_a_world_of_one()  # [04] started by plain `python`
+    rank, local_rank, world_size = (int(os.environ[name]) for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE"))  # [04]
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # [02]
+    if device.type == "cuda":  # [02]
+        distributed.require_one_gpu_per_process()  # [04]
+        torch.cuda.set_device(local_rank)  # [04] before any CUDA work, or every process would use GPU 0
+        utils.use_deterministic_kernels()  # [02] or --resume drifts from an uninterrupted run
+    else:  # [02]
+        distributed.print0("no GPU found: training on the CPU")  # [04]
+    amp_dtype = flags.AMP_DTYPES[args.amp]  # [02] None: plain fp32
+    tp_size = args.tp_size or min(2, world_size)  # [09]
+    if world_size % tp_size or models.VIT_HEADS % tp_size:  # [09] each rank of a group holds whole heads
+        raise utils.UsageError(f"--tp-size {tp_size} must divide the world size {world_size} and the "  # [09]
+                               f"{models.VIT_HEADS} attention heads")  # [09]
+    if args.width % models.VIT_HEADS:  # [09]
+        raise utils.UsageError(f"--width {args.width} is not divisible by the {models.VIT_HEADS} heads")  # [09]
+    replicas = world_size // tp_size  # [09] each replica is a group of tp_size ranks
+    if args.batch_size % replicas:  # [09] --batch-size is global: each replica takes an equal share
+        raise utils.UsageError(f"--batch-size {args.batch_size} is not divisible "  # [04]
+                               f"by {replicas} replica(s)")  # [09]
+    batch_size = args.batch_size // replicas  # [09] every rank of a replica sees this batch
+
+    # Before the process group, whose timeout a slow download would outlast (one process per machine downloads).
+    if not args.synthetic:
+        data.download_cifar10(args.data_dir)
+    # 5 minutes, not 30: a job whose rank died fails soon. device_id: NCCL joins this process's GPU now.
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=datetime.timedelta(minutes=5),  # [04]
+                            device_id=torch.device("cuda", local_rank) if device.type == "cuda" else None)  # [04]
+    # rank = replica x tp_size + tp rank: a group's ranks are neighbours, on one machine, since every layer
+    # communicates within the group; FSDP's traffic (once per unit and step) crosses machines.
+    mesh = init_device_mesh(device.type, (replicas, tp_size), mesh_dim_names=("dp", "tp"))  # [09]
+    replica = mesh["dp"].get_local_rank()  # [09]
+    train_set, test_set = data.load_cifar10(args.data_dir, args.synthetic, seed=args.seed)
+    if args.batch_size > len(train_set):
+        raise utils.UsageError(f"--batch-size {args.batch_size} is larger than the training set ({len(train_set)})")
+    # Every rank shuffles alike and keeps every world_size-th sample: disjoint shares of 01's global batch.
+    # Per replica: the ranks of a tensor-parallel group must compute on the same images.
+    sampler = DistributedSampler(train_set, num_replicas=replicas, rank=replica, seed=args.seed, drop_last=True)  # [09]
+    # Whole batches, cut and augmented on `device` in a few tensor operations (docs/data-and-model.md).
+    train_loader = data.BatchLoader(train_set, batch_size, sampler=sampler, drop_last=True,  # [04]
+                                    device=device, num_workers=args.num_workers)
+    # A disjoint slice per rank; DistributedSampler would pad the slices with repeats, counting some twice.
+    test_shard = Subset(test_set, range(replica, len(test_set), replicas))  # [09]
+    # Every forward pass gathers each unit's weights from every rank, so every rank must run as many test
+    # batches as the others: each slice is cut into the same number of batches.
+    test_batches = data.equal_batches(len(test_set), replicas, replica, batch_size)  # [09]
+    test_loader = data.BatchLoader(test_shard, batch_sampler=test_batches, device=device,  # [07]
+                                   num_workers=args.num_workers)  # [07]
+
+    model = models.VisionTransformer(width=args.width, dropout=not args.no_dropout).to(device)  # [09]
+    # Tensor parallelism within each group. Colwise: each rank holds some output features of the layer (a few
+    # heads, a slice of the MLP's hidden features) and needs the whole input; rowwise: the matching input
+    # features, so its outputs are partial sums that the group adds up. Between the blocks' layers every rank
+    # would repeat the same norms, dropouts and residual additions: instead each runs them on its slice of the
+    # tokens (sequence parallel), and the group gathers the tokens before a colwise layer and reduce-scatters
+    # them after a rowwise one: the same amount of communication as an all-reduce.
+    tp_plan = {  # [09]
+        "attention_norm": SequenceParallel(),  # [09] its weights whole on every rank, its input a slice of tokens
+        "attention": PrepareModuleInput(input_layouts=Shard(1), desired_input_layouts=Replicate()),  # [09] gather
+        "attention.query": ColwiseParallel(),  # [09] this rank's heads
+        "attention.key": ColwiseParallel(),  # [09]
+        "attention.value": ColwiseParallel(),  # [09]
+        "attention.output": RowwiseParallel(output_layouts=Shard(1)),  # [09] sum over heads, scattered by token
+        "mlp_norm": SequenceParallel(),  # [09]
+        "mlp": PrepareModuleInput(input_layouts=Shard(1), desired_input_layouts=Replicate()),  # [09]
+        "mlp.up": ColwiseParallel(),  # [09]
+        "mlp.down": RowwiseParallel(output_layouts=Shard(1)),  # [09]
+    }  # [09]
+    for block in model.blocks:  # [09]
+        parallelize_module(block, mesh["tp"], tp_plan)  # [09] in place: the weights become DTensors
+    parallelize_module(model, mesh["tp"], {  # [09]
+        # The embedding runs whole on every rank (a convolution), then each keeps its slice of the tokens.
+        "embedding": PrepareModuleOutput(output_layouts=Replicate(), desired_output_layouts=Shard(1)),  # [09]
+        "norm": SequenceParallel(),  # [09]
+        # The head gathers the tokens and keeps its logits split by class for loss_parallel (below).
+        "head": ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=False),  # [09]
+    })  # [09]
+    # Each block, then the root (the rest), becomes one FSDP unit across the replicas, as in 07: each rank keeps
+    # 1/replicas of its tensor-parallel part of every weight. --amp: the gathered copies are cast to 16 bits;
+    # the gradients are reduced, and the shards kept, in fp32.
+    policy = MixedPrecisionPolicy(param_dtype=amp_dtype, reduce_dtype=torch.float32 if amp_dtype else None)  # [07]
+    for block in model.blocks:  # [09]
+        fully_shard(block, mesh=mesh["dp"], mp_policy=policy)  # [09]
+    # The root returns the logits in fp32 under --amp (reduce_dtype), so that the loss is computed in fp32.
+    fully_shard(model, mesh=mesh["dp"], mp_policy=dataclasses.replace(policy, output_dtype=policy.reduce_dtype))  # [09]
+    # After sharding: the optimizer must hold the shards (DTensors), not the full weights.
+    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9, nesterov=True, weight_decay=5e-4)
+    total_steps = args.epochs * len(train_loader)
+    scheduler = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=args.lr, total_steps=total_steps)
+    last_step = min(args.max_steps, total_steps) if args.max_steps else total_steps
+    # fp16: every rank must agree to skip a step whose gradients overflowed, and each sees only its shard. The
+    # gradients are DTensors, whose overflow check takes the maximum over the ranks: 04's scaler is enough.
+    scaler = torch.amp.GradScaler(device.type, enabled=args.amp == "fp16")  # [02] fp16: small gradients would underflow
+
+    step, start_epoch = 0, 0
+    # torchrun --max-restarts=K restarts every process after a failure: continue from the last checkpoint.
+    restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0  # [04]
+    if args.resume or (restarted and os.path.isfile(os.path.join(args.output_dir, "checkpoints", "latest"))):  # [07]
+        step, start_epoch = load_checkpoint(args, model, optimizer, scheduler, scaler, device)  # [02]
+
+    meter = utils.Throughput()
+    start_time = time.perf_counter()
+    history = []  # per epoch, for benchmarks/report.py
+    for epoch in range(start_epoch, args.epochs):
+        sampler.set_epoch(epoch)  # [04] without it, DistributedSampler repeats epoch 0's order forever
+        train_set.set_epoch(epoch)  # augmentation draws depend on (seed, epoch, sample) only
+        meter.start()
+        train_loss, new_step = train_one_epoch(args, model, train_loader, optimizer, scheduler,
+                                               scaler, device, epoch, step, last_step)  # [07]
+        meter.stop((new_step - step) * args.batch_size)
+        step = new_step
+        test_loss, test_accuracy, test_samples = evaluate(model, mesh, test_loader, device, args.tta)  # [09]
+        utils.check_finite(test_loss, step, "test")  # weights that are no longer numbers: write nothing from them
+        history.append({"step": step, "elapsed_seconds": time.perf_counter() - start_time, "train_loss": train_loss,
+                        "test_loss": test_loss, "test_accuracy": test_accuracy})
+        distributed.print0(  # [04]
+            f"epoch {epoch + 1}/{args.epochs}  step {step}  train_loss {train_loss:.4f}  "
+            f"test_loss {test_loss:.4f}  test_accuracy {test_accuracy:.4f}  "
+            f"samples/s {meter.samples_per_second:.1f}  elapsed {history[-1]['elapsed_seconds']:.1f}s")
+        if step >= last_step:
+            break
+
+    metrics = {
+        "script": os.path.basename(__file__),
+        "data": "synthetic" if args.synthetic else "cifar10",
+        "device": device.type,
+        "amp": args.amp,  # [02]
+        "world_size": world_size,  # [04]
+        "tp_size": tp_size,  # [09]
+        "global_batch_size": args.batch_size,
+        "steps": step,
+        "epochs_completed": step // len(train_loader),
+        "train_loss": train_loss,
+        "test_loss": test_loss,
+        "test_accuracy": test_accuracy,
+        "test_samples": test_samples,
+        "samples_per_second": meter.samples_per_second,
+        "wall_seconds": time.perf_counter() - start_time,
+        "history": history,
+    }
+    # Gathering the full weights is a collective: every rank takes part, rank 0 alone receives them (the
+    # others get an empty dict), on the CPU, in fp32: model.pt in the format of every other step.
+    # A weight split along both mesh dimensions is gathered in two steps, which torch warns about on every rank.
+    logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)  # [09]
+    state_dict = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))  # [07]
+    if rank == 0:  # [04] one writer. No collective in here: the other ranks would never join it.
+        utils.save_atomic(state_dict, os.path.join(args.output_dir, "model.pt"))  # [07]
+        utils.write_json(metrics, os.path.join(args.output_dir, "metrics.json"))  # [04]
+    # Leave together: a gloo rank that tears down its connections while rank 0 is still writing can abort.
+    dist.barrier()  # [04]
+    dist.destroy_process_group()  # [04]
+
+
+def train_one_epoch(args, model, loader, optimizer, scheduler,
+                    scaler, device, epoch, step, last_step):  # [07]
+    """Train until the end of `epoch` or `last_step`; returns the mean loss and the new step."""
+    model.train()
+    done = step - epoch * len(loader)  # batches of this epoch already trained (resuming mid-epoch)
+    end = min(len(loader), done + last_step - step)
+    loss_sum = torch.zeros((), device=device)
+    progress = tqdm(loader.batches(done, end), total=end - done,
+                    desc=f"epoch {epoch + 1}", leave=False, disable=dist.get_rank() != 0)  # [04]
+    for images, labels in progress:
+        # Dropout masks from (seed, step, rank) alone: each rank's tokens get their own, and a resumed run the same.
+        torch.manual_seed(hash((args.seed, step, dist.get_rank())))  # [09]
+        # The logits stay split by class across the group: the softmax's maximum and sum, and the target's
+        # log-probability, are all-reduced; the logits are never gathered. The backward pass needs the same context.
+        with loss_parallel():  # [09]
+            loss = F.cross_entropy(model(images), labels, label_smoothing=args.label_smoothing)  # [09]
+            optimizer.zero_grad(set_to_none=True)  # [09]
+            scaler.scale(loss).backward()  # [09]
+        loss = loss.full_tensor()  # [09] a DTensor, the same on every rank of the group
+        scaler.step(optimizer)  # [02] unscales the gradients; skips the step if they overflowed
+        scaler.update()  # [02]
+        scheduler.step()
+        step += 1
+        loss_sum += loss.detach()
+        checkpoint_due = args.save_every and (step % args.save_every == 0 or step == last_step)
+        if step % 10 == 0 or step == last_step or checkpoint_due:  # reading the loss waits for the step to finish
+            # Every rank runs the all-reduce, not rank 0 alone: a diverged run stops on all at the same step.
+            logged_loss = distributed.all_reduce_mean(loss).item()  # [04]
+            utils.check_finite(logged_loss, step)  # a diverged run stops here, before it saves its NaN weights
+            progress.set_postfix(loss=f"{logged_loss:.3f}")
+        if checkpoint_due:  # [07] every rank: its own shard
+            save_checkpoint(args, model, optimizer, scheduler, scaler, epoch, step)  # [02]
+    return distributed.all_reduce_mean(loss_sum).item() / max(end - done, 1), step  # [04]
+
+
+@torch.no_grad()
+def evaluate(model, mesh, loader, device, tta):  # [09]
+    """Mean loss and accuracy over the whole test set; returns them and the number of samples."""
+    model.eval()
+    totals = torch.zeros(3, dtype=torch.float64, device=device)  # loss sum, correct, samples
+    for images, labels in loader:
+        logits = models.predict(model, images, flip=tta).full_tensor()  # [09] the group's classes, gathered
+        totals[0] += F.cross_entropy(logits.float(), labels, reduction="sum")
+        totals[1] += (logits.argmax(dim=1) == labels).sum()
+        totals[2] += len(labels)
+    dist.all_reduce(totals, group=mesh["dp"].get_group())  # [09] over replicas: a group's ranks hold the same
+    loss_sum, correct, samples = totals.tolist()
+    return loss_sum / samples, correct / samples, int(samples)
+
+
+def save_checkpoint(args, model, optimizer, scheduler, scaler, epoch, step):  # [02]
+    """Everything a resumed run needs to continue as if it had never stopped."""
+    directory = os.path.join(args.output_dir, "checkpoints")  # [07]
+    # The weights and the optimizer state stay sharded: every rank writes its own shards, in parallel.
+    model_state, optimizer_state = get_state_dict(model, optimizer)  # [07] DTensors: this rank's shards
+    dcp.save({"model": model_state, "optimizer": optimizer_state},  # [07]
+             checkpoint_id=os.path.join(directory, f"step{step}"))  # [07]
+    if dist.get_rank() != 0:  # [07] the rest is the same on every rank: one writer
+        return  # [07]
+    utils.save_atomic({
+        "scheduler": scheduler.state_dict(),
+        "scaler": scaler.state_dict(),  # [02] the current loss scale
+        "epoch": epoch,
+        "step": step,
+        "rng": utils.get_rng_state(),
+        "batch_size": args.batch_size,
+        "epochs": args.epochs,
+        "seed": args.seed,
+        "width": args.width,
+    }, os.path.join(directory, f"step{step}", "train_state.pt"))  # [07]
+    # `latest` last, atomically: a crash mid-save leaves it naming the previous, complete checkpoint.
+    utils.write_text(f"step{step}", os.path.join(directory, "latest"))  # [07]
+    utils.remove_other_checkpoints(directory, keep=f"step{step}")  # [07]
+
+
+def load_checkpoint(args, model, optimizer, scheduler, scaler, device):  # [02]
+    """Restore `save_checkpoint`'s state; returns the step and the epoch to continue from."""
+    directory = utils.latest_checkpoint(os.path.join(args.output_dir, "checkpoints"))  # [07]
+    checkpoint = utils.load_checkpoint(os.path.join(directory, "train_state.pt"), map_location=device)  # [07]
+    utils.check_resumable(checkpoint, batch_size=args.batch_size, epochs=args.epochs, seed=args.seed, width=args.width)
+    # Every rank reads the parts of the shards it now holds: a checkpoint loads at any world size.
+    model_state, optimizer_state = get_state_dict(model, optimizer)  # [07] what to fill, sharded as now
+    dcp.load({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=directory)  # [07]
+    set_state_dict(model, optimizer, model_state_dict=model_state, optim_state_dict=optimizer_state)  # [07]
+    scheduler.load_state_dict(checkpoint["scheduler"])
+    scaler.load_state_dict(checkpoint["scaler"])  # [02]
+    utils.set_rng_state(checkpoint["rng"])
+    distributed.print0(f"resumed from step {checkpoint['step']}")  # [04]
+    return checkpoint["step"], checkpoint["epoch"]
+
+
+if __name__ == "__main__":
+    utils.run(main, skip_python_shutdown=True)  # [04] gloo threads would abort Python's shutdown (see utils.run)
