@@ -252,3 +252,76 @@ def test_the_pipeline_figure_shows_the_bubble_and_the_memory_of_each_schedule(tm
         expected = [microbatches] * stages if schedule == "GPipe" else [stages - stage for stage in range(stages)]
         assert [int(count) for count in held.split()] == expected
     assert figure_output("docs/pipeline-parallel.md", "pipeline_figure.py", "pipeline-parallel.png") == output
+
+
+def test_the_tensor_parallel_figure_shows_where_each_collective_runs(tmp_path):
+    """09's plan, measured at tp 2, at tp 4 and at 2 replicas of tp 2. In each block the forward pass gathers the
+    tokens before each colwise layer and reduce-scatters them after each rowwise one; the backward pass mirrors
+    it, and all-reduces the norms' partial gradients. FSDP2's collectives run in the dp group alone."""
+    output = run_figure_script("tensor_parallel_figure.py", tmp_path, "tensor-parallel.png")
+    forward, backward, steps = output.split("\n\n")
+    tokens, width, hidden, blocks = 64, 128, 512, 6
+
+    # Block 0's forward on rank 0: each module's and each collective's input and output, per image.
+    def expected(label, plan, tp):
+        sliced, whole = (tokens // tp, width), (tokens, width)  # a slice of the tokens, or all of them
+        features = hidden if label.startswith("mlp") else width  # the features that a pair splits
+        return {"sequence": (sliced, sliced), "-": (sliced, sliced), "colwise": (whole, (tokens, features // tp)),
+                "rowwise": ((tokens, features // tp), whole)}.get(plan) or {
+            "all-gather": (sliced, whole), "reduce-scatter": (whole, sliced)}[label]
+
+    _, columns, *lines = forward.splitlines()
+    tp_sizes = [int(tp) for tp in re.findall(r"tp (\d+)", columns)]
+    assert tp_sizes == [2, 4]
+    labels = []
+    for line in lines:
+        label, plan, *texts = re.split(r" {2,}", line)
+        labels.append(label)
+        assert plan in ("sequence", "colwise", "rowwise", "-", "tp group"), line
+        for tp, text in zip(tp_sizes, texts, strict=True):
+            shapes = tuple(tuple(map(int, re.findall(r"\d+", side))) for side in text.split(" -> "))
+            assert shapes == expected(label, plan, tp), line
+            # A rowwise layer's outputs are partial sums until the reduce-scatter after it.
+            assert ("partial" in text) == (plan == "rowwise" or label == "reduce-scatter"), line
+    assert labels == ["attention_norm", "all-gather", "attention.query", "attention.key", "attention.value",
+                      "attention.output", "reduce-scatter", "attention_dropout", "mlp_norm", "all-gather", "mlp.up",
+                      "mlp.down", "reduce-scatter", "mlp_dropout"]
+
+    # Block 0's backward: the forward's collectives mirrored, in reverse order, then the norms' 4 gradients.
+    tp, batch = (int(re.search(rf"{word} (\d+)", backward).group(1)) for word in ("tp", "batch"))
+    rows = re.findall(r"^(\S+(?: x \d+)?) +in (\S+) +([\d,]+)$", backward, re.M)
+    assert rows == [("all-gather", "mlp.down", f"{batch * tokens // tp * width:,}"),
+                    ("reduce-scatter", "mlp.up", f"{batch * tokens * width:,}"),
+                    ("all-gather", "attention.output", f"{batch * tokens // tp * width:,}"),
+                    ("reduce-scatter", "attention.query", f"{batch * tokens * width:,}"),
+                    ("all-reduce x 4", "attention_norm", f"{width}")]
+
+    # One step's counts, in block 0 / in the whole model.
+    counts = {(mesh, group, kind): (*map(int, (f0, f1, b0, b1)),) for mesh, group, kind, f0, f1, b0, b1 in
+              re.findall(r"^(\d x \d) +(tp|dp) +([\w-]+) +(\d+) / (\d+) +(\d+) / (\d+)$", steps, re.M)}
+    tensor_parallel = {
+        # 2 per block; the head gathers its input (forward) and the embedding its gradient (backward).
+        "all-gather": (2, 2 * blocks + 1, 2, 2 * blocks + 1),
+        # 2 per block; the head scatters its input's gradient (backward).
+        "reduce-scatter": (2, 2 * blocks, 2, 2 * blocks + 1),
+        # loss_parallel's 3 (forward); the norms' weights and biases, 4 per block and the final norm's 2.
+        "all-reduce": (0, 3, 4, 4 * blocks + 2),
+    }
+    fsdp = {  # one gather per unit (6 blocks, the root) in forward, per block in backward; one reduce-scatter each
+        "all-gather": (1, blocks + 1, 0, blocks),  # block 0's backward gather is prefetched, in block 1's backward
+        "reduce-scatter": (0, 0, 1, blocks + 1),
+    }
+    assert counts == {**{(mesh, "tp", kind): count for mesh in ("1 x 2", "1 x 4", "2 x 2")
+                         for kind, count in tensor_parallel.items()},
+                      **{("2 x 2", "dp", kind): count for kind, count in fsdp.items()}}
+    assert figure_output("docs/tensor-parallel.md", "tensor_parallel_figure.py", "tensor-parallel.png") == output
+
+
+def test_the_tensor_parallel_figure_uses_the_plan_of_step_09():
+    """The figure copies 09's plan (a benchmark never imports a step): the same dicts, comments aside."""
+    def plans(script):
+        return [ast.dump(node) for node in ast.walk(ast.parse((ROOT / script).read_text()))
+                if isinstance(node, ast.Dict) and any(isinstance(key, ast.Constant) and key.value in
+                                                      ("attention_norm", "head") for key in node.keys)]
+    assert len(plans("09_cifar10_tensor_parallel.py")) == 2
+    assert plans("benchmarks/tensor_parallel_figure.py") == plans("09_cifar10_tensor_parallel.py")
