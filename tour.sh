@@ -20,5 +20,7 @@ torchrun --standalone --nproc_per_node=$procs 06_mnist_accelerate.py "${args[@]}
 torchrun --standalone --nproc_per_node=$procs 07_cifar10_fsdp.py "${args[@]}"
 # 2 pipeline stages (x replicas for the other processes); a single or an odd number of processes: 1 stage.
 torchrun --standalone --nproc_per_node=$procs 08_cifar10_pipeline.py "${args[@]}" --stages $((procs % 2 ? 1 : 2))
+# Tensor-parallel groups of 2 (x replicas for the other processes); a single or an odd number of processes: 1.
+torchrun --standalone --nproc_per_node=$procs 09_cifar10_tensor_parallel.py "${args[@]}" --tp-size $((procs % 2 ? 1 : 2))
 python benchmarks/report.py runs/0*/ --output runs/tour.png --title "bash tour.sh, $([ "$gpus" -gt 0 ] && echo "$gpus GPUs" || echo "CPU only")"
 echo "tour finished: outputs in runs/, the picture in runs/tour.png"
