@@ -13,7 +13,7 @@ from common import models
 
 SCRIPT = "09_cifar10_tensor_parallel.py"
 # The vision transformer learns more slowly than ResNet-9 on the synthetic data: after 30 steps its accuracy is
-# 0.26-0.28, after 60 steps at this rate 0.31 (a world of one, and 2 or 4 processes alike).
+# 0.26-0.28, after 60 steps at this rate 0.31 (measured in a world of one and at 2 processes).
 SMOKE_STEPS = 60
 SMOKE_ARGS = [*SYNTHETIC_ARGS, "--max-steps", SMOKE_STEPS, "--lr", 0.05]
 
