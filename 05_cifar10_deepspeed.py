@@ -45,6 +45,8 @@ def parse_args():
 
 def main():
     args = parse_args()
+    # SIGTERM or SIGUSR1 (preemption, a time limit near): stop at a step that all ranks agree on, saved.
+    preemption = distributed.Preemption()  # [04] before anything slow: the default action would kill the process
     utils.seed_everything(args.seed)
     config = utils.read_json(args.deepspeed_config, "--deepspeed-config")  # [05]
     # torchrun tells each process its rank, its local rank (the GPU it drives) and the world size.
@@ -126,9 +128,11 @@ def main():
         train_set.set_epoch(epoch)  # augmentation draws depend on (seed, epoch, sample) only
         meter.start()
         train_loss, new_step = train_one_epoch(args, model, train_loader, accumulation_steps, steps_per_epoch,  # [05]
-                                               amp_dtype, device, epoch, step, last_step)  # [05]
+                                               amp_dtype, device, epoch, step, last_step, preemption)  # [05]
         meter.stop((new_step - step) * args.batch_size)
         step = new_step
+        if preemption.stopped:  # [04] every rank stopped after this step, once the checkpoint was written
+            raise utils.Preempted(preemption, step, args.output_dir)  # [04] exit status 75: continue with --resume
         test_loss, test_accuracy, test_samples = evaluate(model, test_loader, device, amp_dtype, args.tta)  # [02]
         utils.check_finite(test_loss, step, "test")  # weights that are no longer numbers: write nothing from them
         history.append({"step": step, "elapsed_seconds": time.perf_counter() - start_time, "train_loss": train_loss,
@@ -173,7 +177,7 @@ def main():
 
 
 def train_one_epoch(args, model, loader, accumulation_steps, steps_per_epoch,  # [05]
-                    amp_dtype, device, epoch, step, last_step):  # [05]
+                    amp_dtype, device, epoch, step, last_step, preemption):  # [05]
     """Train until the end of `epoch` or `last_step`; returns the mean loss and the new step."""
     model.train()
     done = (step - epoch * steps_per_epoch) * accumulation_steps  # [05] micro-batches trained (resuming mid-epoch)
@@ -191,7 +195,9 @@ def train_one_epoch(args, model, loader, accumulation_steps, steps_per_epoch,  #
         if not boundary:  # [05] the first N-1 micro-batches of a step only add up gradients: no step to count
             continue  # [05]
         step += 1
-        checkpoint_due = step == last_step or args.save_every and step % args.save_every == 0  # [05]
+        # Every rank asks at every step: a rank that stopped alone would leave the others waiting in a collective.
+        stop = preemption.agreed()  # [04] True on all ranks at the same step if any was signalled
+        checkpoint_due = stop or step == last_step or args.save_every and step % args.save_every == 0  # [05]
         if step % 10 == 0 or step == last_step or checkpoint_due:  # reading the loss waits for the step to finish
             # Every rank runs the all-reduce, not rank 0 alone: a diverged run stops on all at the same step.
             logged_loss = distributed.all_reduce_mean(loss).item()  # [04]
@@ -200,6 +206,8 @@ def train_one_epoch(args, model, loader, accumulation_steps, steps_per_epoch,  #
         # Every rank saves, its own shard. Always at the end: under ZeRO, model.pt is rebuilt from it.
         if checkpoint_due:  # [05]
             save_checkpoint(args, model, epoch, step)  # [05]
+        if stop:  # [04]
+            break  # [04]
     return distributed.all_reduce_mean(loss_sum).item() / max(end - done, 1), step  # [04]
 
 

@@ -36,6 +36,8 @@ def parse_args():
 
 def main():
     args = parse_args()
+    # SIGTERM or SIGUSR1 (preemption, a time limit near): stop at a step that all ranks agree on, saved.
+    preemption = distributed.Preemption()  # [04] before anything slow: the default action would kill the process
     utils.seed_everything(args.seed)
     # Before the process group, whose timeout a slow download would outlast (one process per machine downloads).
     if not args.synthetic:  # [06]
@@ -95,9 +97,11 @@ def main():
         train_set.set_epoch(epoch)  # augmentation draws depend on (seed, epoch, sample) only
         meter.start()
         train_loss, new_step = train_one_epoch(args, model, train_loader, optimizer, scheduler,
-                                               accelerator, device, epoch, step, last_step)  # [06]
+                                               accelerator, device, epoch, step, last_step, preemption)  # [06]
         meter.stop((new_step - step) * args.batch_size)
         step = new_step
+        if preemption.stopped:  # [04] every rank stopped after this step, once the checkpoint was written
+            raise utils.Preempted(preemption, step, args.output_dir)  # [04] exit status 75: continue with --resume
         test_loss, test_accuracy, test_samples = evaluate(model, test_loader, device, accelerator)  # [06]
         utils.check_finite(test_loss, step, "test")  # weights that are no longer numbers: write nothing from them
         history.append({"step": step, "elapsed_seconds": time.perf_counter() - start_time, "train_loss": train_loss,
@@ -137,7 +141,7 @@ def main():
 
 
 def train_one_epoch(args, model, loader, optimizer, scheduler,
-                    accelerator, device, epoch, step, last_step):  # [06]
+                    accelerator, device, epoch, step, last_step, preemption):  # [06]
     """Train until the end of `epoch` or `last_step`; returns the mean loss and the new step."""
     model.train()
     done = step - epoch * len(loader)  # batches of this epoch already trained (resuming mid-epoch)
@@ -155,7 +159,9 @@ def train_one_epoch(args, model, loader, optimizer, scheduler,
         scheduler.step()
         step += 1
         loss_sum += loss.detach()
-        checkpoint_due = args.save_every and (step % args.save_every == 0 or step == last_step)
+        # Every rank asks at every step: a rank that stopped alone would leave the others waiting in a collective.
+        stop = preemption.agreed()  # [04] True on all ranks at the same step if any was signalled
+        checkpoint_due = stop or args.save_every and (step % args.save_every == 0 or step == last_step)  # [04]
         if step % 10 == 0 or step == last_step or checkpoint_due:  # reading the loss waits for the step to finish
             # Every rank runs the all-reduce, not rank 0 alone: a diverged run stops on all at the same step.
             logged_loss = accelerator.reduce(loss.detach(), "mean").item()  # [06]
@@ -163,6 +169,8 @@ def train_one_epoch(args, model, loader, optimizer, scheduler,
             progress.set_postfix(loss=f"{logged_loss:.3f}")
         if checkpoint_due:  # [06] on every process
             save_checkpoint(args, accelerator, epoch, step)  # [06]
+        if stop:  # [04]
+            break  # [04]
     return accelerator.reduce(loss_sum, "mean").item() / max(end - done, 1), step  # [06]
 
 

@@ -1,6 +1,7 @@
 """Small distributed helpers. Each is also correct in a single process (world size 1)."""
 
 import os
+import signal
 
 import torch
 import torch.distributed as dist
@@ -54,3 +55,34 @@ def require_one_gpu_per_process():
     if processes > torch.cuda.device_count():
         raise UsageError(f"{processes} processes on this machine but {torch.cuda.device_count()} GPU(s): "
                          "start one process per GPU (--nproc_per_node, --num_gpus)")
+
+
+class Preemption:
+    """SIGTERM or SIGUSR1 (a preemption, a scheduler's warning before a time limit) asks the run to stop.
+
+    The handler only sets a flag: the step in flight finishes. At every step boundary each rank calls
+    `agreed()`, one all-reduce (MAX) of its flag, and every rank learns at the same step whether any rank
+    was signalled. They then all save the step's checkpoint and stop there together. A rank that stopped
+    on its own flag would leave the others waiting in their next collective until the timeout.
+
+    The all-reduce runs on a gloo group of its own, on a CPU tensor: on GPUs, reading a result of the
+    training group (NCCL) every step would make the CPU wait for the GPU at every step."""
+
+    def __init__(self, signals=(signal.SIGTERM, signal.SIGUSR1)):
+        self.signal = None  # the first signal received
+        self.stopped = False  # the ranks agreed to stop
+        self._group = None
+        for number in signals:
+            signal.signal(number, self._handle)
+
+    def _handle(self, number, frame):
+        self.signal = self.signal or signal.Signals(number).name
+
+    def agreed(self):
+        """True on every rank at the same step if any rank has been signalled. Every rank must call it."""
+        if self._group is None:  # created at the first call, which every rank reaches at the same point
+            self._group = dist.new_group(backend="gloo")
+        flag = torch.tensor([self.signal is not None], dtype=torch.int32)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._group)
+        self.stopped = bool(flag.item())
+        return self.stopped

@@ -24,6 +24,18 @@ class UsageError(Exception):
     """Bad input: reported as one `error:` line, then exit status 2."""
 
 
+PREEMPTED_EXIT_STATUS = 75  # sysexits.h's EX_TEMPFAIL: stopped before the end, to be continued
+
+
+class Preempted(Exception):  # noqa: N818 a requested stop, not an error
+    """SIGTERM or SIGUSR1 stopped the run at a step boundary, once every rank had saved its part of the
+    checkpoint: reported as one `preempted:` line, then exit status 75; `--resume` continues."""
+
+    def __init__(self, preemption, step, output_dir):
+        super().__init__(f"{preemption.signal or 'a signal to another rank'} received; every rank stopped "
+                         f"after step {step} and saved a checkpoint in {output_dir}: continue with --resume")
+
+
 class _OneLineErrorHandler(ErrorHandler):
     """torchrun's error handler (what `record` writes to the file torchrun reads back), with bad input
     recorded as its one `error:` line instead of a traceback."""
@@ -43,12 +55,15 @@ def _error_line(error):
         return f"error: {error}"
     if isinstance(error, dist.DistNetworkError):  # this process could not open or reach the rendezvous
         return f"error: cannot start the process group: {error}"
+    if isinstance(error, Preempted):
+        return f"preempted: {error}"
     return None
 
 
 def run(main, skip_python_shutdown=False):
     """Run a script's `main()`. Bad input (a UsageError, or a rendezvous that cannot start) ends the
-    process with one `error:` line and exit status 2; any other exception propagates with its traceback.
+    process with one `error:` line and exit status 2; a run stopped by a signal (`Preempted`), with one
+    `preempted:` line and exit status 75; any other exception propagates with its traceback.
 
     Every process finds the same bad input (the checks are deterministic), and each exits: none is left
     waiting in a collective. torchrun (and `accelerate launch`, which runs it) collects every worker's
@@ -81,6 +96,14 @@ def run(main, skip_python_shutdown=False):
         status = 2
         if dist.is_available() and dist.is_initialized():
             dist.destroy_process_group()
+    except Preempted as preempted:
+        if dist.get_rank() == 0:  # also under torchrun, which prints no failure table once it was signalled
+            print(_error_line(preempted), file=sys.stderr, flush=True)
+        status = PREEMPTED_EXIT_STATUS
+        # Leave together: rank 0 may still be writing the checkpoint, and torchrun stops every worker once
+        # one has exited with a failure.
+        dist.barrier()
+        dist.destroy_process_group()
     if skip_python_shutdown:
         sys.stdout.flush()
         sys.stderr.flush()

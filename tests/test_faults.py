@@ -1,8 +1,10 @@
-"""Faults, for real: a worker killed in the middle of an elastic run, a crash in the middle of a
-checkpoint write. Both jobs must end with the weights of a run that nothing interrupted. And a run
-that finished must exit 0, whatever the process group's threads are still doing."""
+"""Faults, for real: a worker killed in the middle of an elastic run, a preemption (SIGTERM to torchrun, a
+signal to one worker), a crash in the middle of a checkpoint write. Each job must end with the weights of a
+run that nothing interrupted. And a run that finished must exit 0, whatever the process group's threads are
+still doing."""
 
 import os
+import re
 import signal
 from concurrent.futures import ThreadPoolExecutor
 
@@ -48,23 +50,29 @@ def uninterrupted(tmp_path_factory):
         2, script, *FAULT_RUN_ARGS, *STEPS[script][0], "--output-dir", output_dir))
 
 
+def once_checkpointed(output_dir, read_step, action):
+    """A `poll` for run_job: `action(process)`, once, as soon as the checkpoint of step KILL_AFTER_STEP (or a
+    later one) is complete. Returns the poll and the list of what `action` returned (empty: never run)."""
+    done = []
+
+    def poll(process):
+        try:
+            saved = read_step(output_dir)
+        except (OSError, ValueError):  # not written yet
+            return
+        if not done and saved >= KILL_AFTER_STEP:
+            done.append(action(process))
+
+    return poll, done
+
+
 @pytest.mark.parametrize("script", STEPS)
 def test_killed_worker_is_restarted_and_resumes_from_the_last_checkpoint(script, uninterrupted, tmp_path):
     extra_args, checkpoint_step = STEPS[script]
-    killed = []
-
-    def kill_rank_1_after_a_checkpoint(process):
-        try:
-            saved = checkpoint_step(tmp_path)
-        except (OSError, ValueError):  # not written yet
-            return
-        if not killed and saved >= KILL_AFTER_STEP:
-            pid = workers(process)[1]
-            os.kill(pid, signal.SIGKILL)
-            killed.append(pid)
-
+    poll, killed = once_checkpointed(tmp_path, checkpoint_step, lambda process: os.kill(workers(process)[1],
+                                                                                          signal.SIGKILL))
     command = torchrun(2, script, *FAULT_RUN_ARGS, *extra_args, "--output-dir", tmp_path, options=ELASTIC_OPTIONS)
-    result = check_ok(run_job(command, env=ELASTIC_ENV, poll=kill_rank_1_after_a_checkpoint, timeout=300))
+    result = check_ok(run_job(command, env=ELASTIC_ENV, poll=poll, timeout=300))
     assert killed, f"the run ended before a checkpoint of step {KILL_AFTER_STEP} was seen"
     # torchrun saw the group fail once and restarted it once, which resumed by itself. The failure it
     # names is the earliest by a timestamp in whole seconds: the killed worker, or the survivor whose
@@ -74,6 +82,57 @@ def test_killed_worker_is_restarted_and_resumes_from_the_last_checkpoint(script,
     assert len(resumed) == 1, result.stdout
     assert KILL_AFTER_STEP <= int(resumed[0].split()[-1]) < FAULT_RUN_STEPS
     assert_same_weights(uninterrupted(script), tmp_path / "model.pt")
+
+
+def preempted_step(result, output_dir, read_step):
+    """The step after which a signalled job stopped: named by rank 0's one `preempted:` line, and the step of
+    the checkpoint it left. Stopped with steps to spare, after the checkpoint that triggered the signal."""
+    lines = [line for line in result.stderr.splitlines() if line.startswith("preempted: ")]
+    assert len(lines) == 1, result.stderr[-5000:]
+    step = int(re.search(r"stopped after step (\d+) ", lines[0]).group(1))
+    assert KILL_AFTER_STEP <= step < FAULT_RUN_STEPS and read_step(output_dir) == step, (lines, read_step(output_dir))
+    return step
+
+
+@pytest.mark.parametrize("script", STEPS)
+def test_sigterm_to_torchrun_saves_at_one_step_and_resume_ends_as_the_uninterrupted_run(script, uninterrupted,
+                                                                                        tmp_path):
+    """Preemption, as a scheduler does it: SIGTERM to the launcher, which passes it to every worker and gives
+    them 30 s (--shutdown-timeout) before SIGKILL. The workers agree on a step, save there and exit 75; torchrun,
+    signalled, exits 1. The resumed run ends with the weights of the run that nothing stopped, bit for bit."""
+    extra_args, checkpoint_step = STEPS[script]
+    poll, signalled = once_checkpointed(tmp_path, checkpoint_step, lambda process: os.kill(process.pid,
+                                                                                             signal.SIGTERM))
+    result = run_job(torchrun(2, script, *FAULT_RUN_ARGS, *extra_args, "--output-dir", tmp_path), poll=poll,
+                     timeout=300)
+    assert signalled, f"the run ended before a checkpoint of step {KILL_AFTER_STEP} was seen"
+    assert result.returncode == 1 and "got signal: 15" in result.stderr, result.stderr[-5000:]
+    step = preempted_step(result, tmp_path, checkpoint_step)
+    assert not (tmp_path / "model.pt").exists()  # a stopped run writes no final outputs
+    resumed = check_ok(run_job(torchrun(2, script, *FAULT_RUN_ARGS, *extra_args, "--resume", "--output-dir",
+                                        tmp_path), timeout=300))
+    assert f"resumed from step {step}" in resumed.stdout
+    assert_same_weights(uninterrupted(script), tmp_path / "model.pt")
+
+
+def test_a_signal_to_one_worker_stops_every_worker_at_one_step(tmp_path):
+    """SIGUSR1 to rank 1 alone: rank 0 learns of it in the next step's agreement, and both write their shards
+    of 07's checkpoint (a collective save: a rank that stopped alone would leave the other waiting in it until
+    the process group's timeout) and exit 75. torchrun was not signalled: it reports the failed workers."""
+    script = "07_cifar10_fsdp.py"
+    extra_args, checkpoint_step = STEPS[script]
+    poll, signalled = once_checkpointed(tmp_path, checkpoint_step, lambda process: os.kill(workers(process)[1],
+                                                                                             signal.SIGUSR1))
+    result = run_job(torchrun(2, script, *FAULT_RUN_ARGS, *extra_args, "--output-dir", tmp_path), poll=poll,
+                     timeout=120)
+    assert signalled, f"the run ended before a checkpoint of step {KILL_AFTER_STEP} was seen"
+    step = preempted_step(result, tmp_path, checkpoint_step)
+    # torchrun's failure table: each rank's exit status, and the line it recorded (which step it stopped after).
+    assert result.returncode == 1 and len(re.findall(r"exitcode\s*: 75 ", result.stderr)) == 2, result.stderr[-5000:]
+    reasons = sorted(re.findall(r"traceback : preempted: (.*?) received; every rank stopped after step (\d+) ",
+                                result.stderr))
+    assert reasons == [("SIGUSR1", str(step)), ("a signal to another rank", str(step))], reasons
+    assert (tmp_path / "checkpoints" / f"step{step}" / ".metadata").is_file()
 
 
 # Save a checkpoint with common/utils.save_atomic, as the script does, but die by SIGKILL once half
