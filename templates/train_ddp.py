@@ -6,7 +6,8 @@ averages the gradients, so the replicas stay identical. PyTorch only; the tour's
 
     torchrun --standalone --nproc_per_node=2 templates/train_ddp.py     # 2 processes: CPUs (gloo) or GPUs (NCCL)
     torchrun --nproc_per_node=N templates/train_ddp.py --epochs 20      # N GPUs
-Each epoch ends with a checkpoint; a run with the same --output-dir continues from it.
+Each epoch ends with a checkpoint; a run with the same --output-dir continues from it. SIGTERM or SIGUSR1
+(preemption) stops every rank at one step, saved there: exit status 75.
 """
 
 import argparse
@@ -14,6 +15,7 @@ import datetime
 import gc
 import json
 import os
+import signal
 import sys
 from pathlib import Path
 
@@ -54,6 +56,9 @@ def build_datasets():  # YOUR DATA: a training and a test set of (input, label) 
 
 def main():
     args = parse_args()
+    signalled = []  # SIGTERM, SIGUSR1: a flag, not the default action (death mid-step); the ranks agree below
+    for number in (signal.SIGTERM, signal.SIGUSR1):
+        signal.signal(number, lambda number, frame: signalled.append(number))
     # torchrun sets these for each process: its rank among all, its GPU on this machine, how many in all.
     rank, local_rank, world_size = (int(os.environ[name]) for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE"))
     if args.batch_size % world_size:  # every rank exits (rank 0 says why) before any waits for the others
@@ -64,6 +69,7 @@ def main():
     # A short timeout: a job whose rank died fails in minutes instead of after the default 30.
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=datetime.timedelta(minutes=5),
                             device_id=device if device.type == "cuda" else None)  # NCCL: bound to this GPU
+    stop_group = dist.new_group(backend="gloo")  # the stop flag's all-reduce, on the CPU: no GPU sync per step
     torch.manual_seed(0)  # the same initial weights everywhere (DDP also broadcasts rank 0's)
     train_set, test_set = build_datasets()
     # Each rank keeps every world_size-th sample of one shuffle that every rank draws alike: disjoint shares.
@@ -78,25 +84,32 @@ def main():
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
 
     checkpoint_path = os.path.join(args.output_dir, "checkpoint.pt")
-    start_epoch = 0
+    start_epoch, start_batch = 0, 0
     if os.path.isfile(checkpoint_path):  # a rerun, or torchrun --max-restarts: continue from the last epoch
         # map_location: tensors saved from cuda:0 would otherwise all land on GPU 0.
         checkpoint = torch.load(checkpoint_path, map_location=device, weights_only=True)
         model.module.load_state_dict(checkpoint["model"])  # the plain module's keys, without "module."
         optimizer.load_state_dict(checkpoint["optimizer"])
-        start_epoch = checkpoint["epoch"] + 1
+        start_epoch, start_batch = divmod(checkpoint["steps"], len(train_loader))  # where the last run stopped
 
+    stop = torch.tensor(0)  # becomes 1 on every rank at the same step once any rank was signalled
     for epoch in range(start_epoch, args.epochs):
         sampler.set_epoch(epoch)  # without it, every epoch repeats the first one's order
         model.train()
         loss_sum = torch.zeros(2, device=device)  # loss sum, batches
-        for inputs, labels in train_loader:
+        for batch, (inputs, labels) in enumerate(train_loader):
+            if epoch == start_epoch and batch < start_batch:  # trained before the run was stopped
+                continue
             inputs, labels = inputs.to(device), labels.to(device)
             loss = F.cross_entropy(model(inputs), labels)
             optimizer.zero_grad(set_to_none=True)
             loss.backward()  # DDP all-reduces the gradients here, bucket by bucket
             optimizer.step()
             loss_sum += torch.stack([loss.detach(), torch.ones((), device=device)])
+            stop = torch.tensor(int(bool(signalled)))  # every rank, every step: one rank alone would hang the rest
+            dist.all_reduce(stop, op=dist.ReduceOp.MAX, group=stop_group)
+            if stop:
+                break
         dist.all_reduce(loss_sum)  # every rank calls it: a collective that one rank skips hangs the others
         if not loss_sum.isfinite().all():  # the same sum on every rank: all stop, before saving NaN weights
             sys.exit(f"error: the loss diverged in epoch {epoch + 1}: lower --lr" if rank == 0 else 2)
@@ -104,20 +117,26 @@ def main():
             print(f"epoch {epoch + 1}/{args.epochs}  train_loss {(loss_sum[0] / loss_sum[1]).item():.4f}", flush=True)
             os.makedirs(args.output_dir, exist_ok=True)
             # Through a temporary file: a crash mid-write leaves the previous checkpoint whole.
-            torch.save({"model": model.module.state_dict(), "optimizer": optimizer.state_dict(), "epoch": epoch},
-                       checkpoint_path + ".tmp")
+            torch.save({"model": model.module.state_dict(), "optimizer": optimizer.state_dict(),
+                        "steps": epoch * len(train_loader) + batch + 1}, checkpoint_path + ".tmp")
             os.replace(checkpoint_path + ".tmp", checkpoint_path)
+        if stop:
+            break
 
-    metrics = {"world_size": world_size, "epochs": args.epochs, **evaluate(model, test_loader, device)}
-    if rank == 0:
-        print(json.dumps(metrics), flush=True)
-        torch.save(model.module.state_dict(), os.path.join(args.output_dir, "model.pt"))
-        Path(args.output_dir, "metrics.json").write_text(json.dumps(metrics, indent=2))
+    if stop and rank == 0:
+        print(f"preempted: stopped in epoch {epoch + 1}, saved; run again to continue", file=sys.stderr)
+    elif not stop:  # finished
+        metrics = {"world_size": world_size, "epochs": args.epochs, **evaluate(model, test_loader, device)}
+        if rank == 0:
+            print(json.dumps(metrics), flush=True)
+            torch.save(model.module.state_dict(), os.path.join(args.output_dir, "model.pt"))
+            Path(args.output_dir, "metrics.json").write_text(json.dumps(metrics, indent=2))
     dist.barrier()  # leave together: rank 0 may still be writing
     # Free what holds the process group first: its gloo threads would outlive it and abort Python's shutdown.
     del model, optimizer
     gc.collect()
     dist.destroy_process_group()
+    return 75 if stop else 0  # 75 (EX_TEMPFAIL): stopped early and saved; run again to continue
 
 
 @torch.no_grad()
@@ -139,4 +158,4 @@ def evaluate(model, loader, device):  # over the whole test set: each rank's sli
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

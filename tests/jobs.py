@@ -95,6 +95,17 @@ def workers(process):
     return found
 
 
+def catches(pid, number):
+    """Whether process `pid` has a handler of its own for signal `number` (/proc's SigCgt mask): a signal sent
+    before that ends it by the signal's default action instead."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:  # it has just exited
+        return False
+    mask = int(status.split("SigCgt:")[1].split()[0], 16)
+    return bool(mask >> (number - 1) & 1)
+
+
 def processes_per_machine(command):
     """How many processes a launcher's command line starts on this machine (1 without a launcher)."""
     for index, arg in enumerate(command):
