@@ -17,6 +17,8 @@ from launch import ROOT, environment, free_port
 
 NODE = "localhost"  # the name `scontrol show hostnames` gives the jobs: it must resolve to 127.0.0.1
 # No accounting database, no cgroups: processes are tracked through /proc, tasks are not bound to CPUs.
+# cred_expire: a requeued job waits that long before it may start again (120 s by default); starting a step
+# on the loopback takes well under a second of the credential's lifetime.
 SLURM_CONF = """\
 ClusterName=tests
 SlurmctldHost={node}(127.0.0.1)
@@ -26,7 +28,7 @@ SlurmUser=root
 SlurmdUser=root
 AuthType=auth/munge
 CredType=cred/munge
-AuthInfo=socket={directory}/munge.socket
+AuthInfo=socket={directory}/munge.socket,cred_expire=15
 ProctrackType=proctrack/linuxproc
 TaskPlugin=task/none
 MpiDefault=none
@@ -35,6 +37,7 @@ AccountingStorageType=accounting_storage/none
 JobAcctGatherType=jobacct_gather/none
 JobCompType=jobcomp/none
 SchedulerType=sched/builtin
+SchedulerParameters=sched_interval=1
 SelectType=select/cons_tres
 SelectTypeParameters=CR_Core
 SlurmdParameters=config_overrides
