@@ -50,9 +50,9 @@ def uninterrupted(tmp_path_factory):
         2, script, *FAULT_RUN_ARGS, *STEPS[script][0], "--output-dir", output_dir))
 
 
-def once_checkpointed(output_dir, read_step, action):
-    """A `poll` for run_job: `action(process)`, once, as soon as the checkpoint of step KILL_AFTER_STEP (or a
-    later one) is complete. Returns the poll and the list of what `action` returned (empty: never run)."""
+def once_checkpointed(output_dir, read_step, step, action):
+    """A `poll` for run_job: `action(process)`, once, as soon as the checkpoint of `step` (or a later one) is
+    complete. Returns the poll and the list of what `action` returned (empty: never run)."""
     done = []
 
     def poll(process):
@@ -60,28 +60,10 @@ def once_checkpointed(output_dir, read_step, action):
             saved = read_step(output_dir)
         except (OSError, ValueError):  # not written yet
             return
-        if not done and saved >= KILL_AFTER_STEP:
+        if not done and saved >= step:
             done.append(action(process))
 
     return poll, done
-
-
-@pytest.mark.parametrize("script", STEPS)
-def test_killed_worker_is_restarted_and_resumes_from_the_last_checkpoint(script, uninterrupted, tmp_path):
-    extra_args, checkpoint_step = STEPS[script]
-    poll, killed = once_checkpointed(tmp_path, checkpoint_step, lambda process: os.kill(workers(process)[1],
-                                                                                          signal.SIGKILL))
-    command = torchrun(2, script, *FAULT_RUN_ARGS, *extra_args, "--output-dir", tmp_path, options=ELASTIC_OPTIONS)
-    result = check_ok(run_job(command, env=ELASTIC_ENV, poll=poll, timeout=300))
-    assert killed, f"the run ended before a checkpoint of step {KILL_AFTER_STEP} was seen"
-    # torchrun saw the group fail once and restarted it once, which resumed by itself. The failure it
-    # names is the earliest by a timestamp in whole seconds: the killed worker, or the survivor whose
-    # next collective broke in the same second, so the line's exit code is not checked.
-    assert result.stderr.count("failed (exitcode: ") == 1, result.stderr[-3000:]
-    resumed = [line for line in result.stdout.splitlines() if line.startswith("resumed from step")]
-    assert len(resumed) == 1, result.stdout
-    assert KILL_AFTER_STEP <= int(resumed[0].split()[-1]) < FAULT_RUN_STEPS
-    assert_same_weights(uninterrupted(script), tmp_path / "model.pt")
 
 
 def preempted_step(result, output_dir, read_step):
@@ -95,23 +77,38 @@ def preempted_step(result, output_dir, read_step):
 
 
 @pytest.mark.parametrize("script", STEPS)
-def test_sigterm_to_torchrun_saves_at_one_step_and_resume_ends_as_the_uninterrupted_run(script, uninterrupted,
-                                                                                        tmp_path):
-    """Preemption, as a scheduler does it: SIGTERM to the launcher, which passes it to every worker and gives
-    them 30 s (--shutdown-timeout) before SIGKILL. The workers agree on a step, save there and exit 75; torchrun,
-    signalled, exits 1. The resumed run ends with the weights of the run that nothing stopped, bit for bit."""
+def test_preempted_then_killed_job_resumes_each_time_to_the_uninterrupted_weights(script, uninterrupted, tmp_path):
+    """Two faults in one job, each checked where it happens (one job, not two: each costs a whole run).
+
+    1. Preemption, as a scheduler does it: SIGTERM to torchrun once the checkpoint of step 20 exists. torchrun
+       passes it to every worker and gives them 30 s (--shutdown-timeout) before SIGKILL; the workers agree on a
+       step, save there and exit 75; torchrun, signalled, exits 1.
+    2. A dead worker: the same command with --resume, under torchrun --max-restarts=1. Once a checkpoint later
+       than the preempted one exists, rank 1 dies by SIGKILL; torchrun restarts the group, which resumes by
+       itself from the last checkpoint.
+    The job ends with the weights of the run that nothing stopped, bit for bit."""
     extra_args, checkpoint_step = STEPS[script]
-    poll, signalled = once_checkpointed(tmp_path, checkpoint_step, lambda process: os.kill(process.pid,
-                                                                                             signal.SIGTERM))
-    result = run_job(torchrun(2, script, *FAULT_RUN_ARGS, *extra_args, "--output-dir", tmp_path), poll=poll,
-                     timeout=300)
+    command = torchrun(2, script, *FAULT_RUN_ARGS, *extra_args, "--output-dir", tmp_path)
+    poll, signalled = once_checkpointed(tmp_path, checkpoint_step, KILL_AFTER_STEP,
+                                        lambda process: os.kill(process.pid, signal.SIGTERM))
+    stopped = run_job(command, poll=poll, timeout=300)
     assert signalled, f"the run ended before a checkpoint of step {KILL_AFTER_STEP} was seen"
-    assert result.returncode == 1 and "got signal: 15" in result.stderr, result.stderr[-5000:]
-    step = preempted_step(result, tmp_path, checkpoint_step)
+    assert stopped.returncode == 1 and "got signal: 15" in stopped.stderr, stopped.stderr[-5000:]
+    step = preempted_step(stopped, tmp_path, checkpoint_step)
     assert not (tmp_path / "model.pt").exists()  # a stopped run writes no final outputs
-    resumed = check_ok(run_job(torchrun(2, script, *FAULT_RUN_ARGS, *extra_args, "--resume", "--output-dir",
-                                        tmp_path), timeout=300))
-    assert f"resumed from step {step}" in resumed.stdout
+
+    poll, killed = once_checkpointed(tmp_path, checkpoint_step, step + 1,
+                                     lambda process: os.kill(workers(process)[1], signal.SIGKILL))
+    elastic = torchrun(2, script, *FAULT_RUN_ARGS, *extra_args, "--resume", "--output-dir", tmp_path,
+                       options=ELASTIC_OPTIONS)
+    result = check_ok(run_job(elastic, env=ELASTIC_ENV, poll=poll, timeout=300))
+    assert killed, f"the resumed run ended before a checkpoint after step {step} was seen"
+    # torchrun saw the group fail once and restarted it once, which resumed by itself. The failure it
+    # names is the earliest by a timestamp in whole seconds: the killed worker, or the survivor whose
+    # next collective broke in the same second, so the line's exit code is not checked.
+    assert result.stderr.count("failed (exitcode: ") == 1, result.stderr[-3000:]
+    resumed = [int(line.split()[-1]) for line in result.stdout.splitlines() if line.startswith("resumed from step")]
+    assert len(resumed) == 2 and resumed[0] == step < resumed[1] < FAULT_RUN_STEPS, result.stdout
     assert_same_weights(uninterrupted(script), tmp_path / "model.pt")
 
 
@@ -121,8 +118,8 @@ def test_a_signal_to_one_worker_stops_every_worker_at_one_step(tmp_path):
     the process group's timeout) and exit 75. torchrun was not signalled: it reports the failed workers."""
     script = "07_cifar10_fsdp.py"
     extra_args, checkpoint_step = STEPS[script]
-    poll, signalled = once_checkpointed(tmp_path, checkpoint_step, lambda process: os.kill(workers(process)[1],
-                                                                                             signal.SIGUSR1))
+    poll, signalled = once_checkpointed(tmp_path, checkpoint_step, KILL_AFTER_STEP,
+                                        lambda process: os.kill(workers(process)[1], signal.SIGUSR1))
     result = run_job(torchrun(2, script, *FAULT_RUN_ARGS, *extra_args, "--output-dir", tmp_path), poll=poll,
                      timeout=120)
     assert signalled, f"the run ended before a checkpoint of step {KILL_AFTER_STEP} was seen"
