@@ -115,8 +115,9 @@ def main():
                                           config=config)  # [05] the loop calls only the engine
 
     step, start_epoch = 0, 0
-    # torchrun --max-restarts=K restarts every process after a failure: continue from the last checkpoint.
-    restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0  # [04]
+    # Started again (torchrun --max-restarts=K after a failure, a requeued Slurm job): go on from the last checkpoint.
+    restart_counts = ("TORCHELASTIC_RESTART_COUNT", "SLURM_RESTART_COUNT")  # [04] torchrun's, Slurm's
+    restarted = any(int(os.environ.get(name, "0")) > 0 for name in restart_counts)  # [04]
     if args.resume or (restarted and os.path.isfile(os.path.join(args.output_dir, "checkpoints", "latest"))):  # [05]
         step, start_epoch = load_checkpoint(args, model)  # [05]
 

@@ -84,8 +84,9 @@ def main():
     set_seed(args.seed, device_specific=True)  # [06] seed + process index, for Python, NumPy, torch and the GPUs
 
     step, start_epoch = 0, 0
-    # torchrun --max-restarts=K restarts every process after a failure: continue from the last checkpoint.
-    restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0  # [04]
+    # Started again (torchrun --max-restarts=K after a failure, a requeued Slurm job): go on from the last checkpoint.
+    restart_counts = ("TORCHELASTIC_RESTART_COUNT", "SLURM_RESTART_COUNT")  # [04] torchrun's, Slurm's
+    restarted = any(int(os.environ.get(name, "0")) > 0 for name in restart_counts)  # [04]
     if args.resume or (restarted and os.path.isfile(os.path.join(args.output_dir, "checkpoint.pt"))):  # [04]
         step, start_epoch = load_checkpoint(args, accelerator, device)  # [06]
 

@@ -23,6 +23,7 @@ against the number of processes with --output, beside the ZeRO paper's formula f
 """
 
 import argparse
+import datetime
 import importlib.metadata
 import json
 import os
@@ -70,6 +71,7 @@ FP32 = 4  # bytes per weight and per gradient: every run is fp32
 MOMENTUM_K = 4
 DEEPSPEED_K = 8
 MB = 1e6
+LAUNCH_TIMEOUT = 600  # seconds for one method at one world size (DeepSpeed at 4 processes: about 40 s on 2 cores)
 SMALL = 1000  # bytes: the buffers listed by name are those of this size or more (the rest are scalars)
 
 
@@ -284,9 +286,17 @@ def measure(method, world_size):
     with tempfile.TemporaryDirectory() as scratch:
         command = launch.torchrun(world_size, Path(__file__).resolve(), "--worker", scratch, launch.SCRIPTS[step],
                                   *RUN_ARGS, *step_args, "--output-dir", Path(scratch) / "run")
-        result = subprocess.run(command, cwd=launch.ROOT, env=launch.environment(), capture_output=True, text=True)
-        if result.returncode:
-            sys.exit(f"error: {method} on {world_size} processes failed:\n{result.stderr[-3000:]}")
+        process = subprocess.Popen(command, cwd=launch.ROOT, env=launch.environment(), stdout=subprocess.PIPE,
+                                   stderr=subprocess.PIPE, text=True)
+        try:
+            _, stderr = process.communicate(timeout=LAUNCH_TIMEOUT)
+        except subprocess.TimeoutExpired:
+            # SIGTERM, not SIGKILL: torchrun then stops its workers (in sessions of their own) before it exits.
+            process.terminate()
+            _, stderr = process.communicate()
+            sys.exit(f"error: {method} on {world_size} processes still ran after {LAUNCH_TIMEOUT} s:\n{stderr[-3000:]}")
+        if process.returncode:
+            sys.exit(f"error: {method} on {world_size} processes failed:\n{stderr[-3000:]}")
         ranks = [json.loads((Path(scratch) / f"rank{rank}.json").read_text()) for rank in range(world_size)]
     return [{"method": method, "step": step, "zero_stage": zero_stage, "world_size": world_size, **record,
              "formula_bytes": formula_bytes(method, world_size)} for record in ranks]
@@ -389,7 +399,8 @@ def draw(records, output):
                                  label="of which fp32 master weights"),
                            plt.Line2D([], [], color="black", lw=1.5, label="ZeRO paper's formula")],
                   loc="lower center", ncol=5, fontsize=8, frameon=False)
-    figure.suptitle(f"Bytes that each rank holds at the optimizer step, measured: {machine()}, 2026-11-25\n"
+    measured = f"{machine()}, {datetime.date.today()}"
+    figure.suptitle(f"Bytes that each rank holds at the optimizer step, measured: {measured}\n"
                     "Formula (ZeRO paper): (4 + 4 + K)·Ψ replicated, (4 + 4 + K/N)·Ψ ZeRO-1, (4 + (4 + K)/N)·Ψ "
                     "ZeRO-2, (4 + 4 + K)·Ψ/N ZeRO-3, FSDP2, and an even split for 08 and 09; above the bars, in MB: "
                     "the buffers and the peak\n"

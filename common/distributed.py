@@ -1,5 +1,6 @@
 """Small distributed helpers. Each is also correct in a single process (world size 1)."""
 
+import datetime
 import os
 import signal
 
@@ -66,13 +67,15 @@ class Preemption:
     on its own flag would leave the others waiting in their next collective until the timeout.
 
     The all-reduce runs on a gloo group of its own, on a CPU tensor: on GPUs, reading a result of the
-    training group (NCCL) every step would make the CPU wait for the GPU at every step."""
+    training group (NCCL) every step would make the CPU wait for the GPU at every step. Its timeout is the
+    steps' 5 minutes (a new group's default is 30): a rank that died ends the others soon. A single process
+    without a process group (06 under plain `python`) has its own flag alone."""
 
-    def __init__(self, signals=(signal.SIGTERM, signal.SIGUSR1)):
+    def __init__(self):
         self.signal = None  # the first signal received
         self.stopped = False  # the ranks agreed to stop
         self._group = None
-        for number in signals:
+        for number in (signal.SIGTERM, signal.SIGUSR1):
             signal.signal(number, self._handle)
 
     def _handle(self, number, frame):
@@ -80,9 +83,10 @@ class Preemption:
 
     def agreed(self):
         """True on every rank at the same step if any rank has been signalled. Every rank must call it."""
-        if self._group is None:  # created at the first call, which every rank reaches at the same point
-            self._group = dist.new_group(backend="gloo")
         flag = torch.tensor([self.signal is not None], dtype=torch.int32)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._group)
+        if dist.is_initialized():
+            if self._group is None:  # created at the first call, which every rank reaches at the same point
+                self._group = dist.new_group(backend="gloo", timeout=datetime.timedelta(minutes=5))
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._group)
         self.stopped = bool(flag.item())
         return self.stopped

@@ -97,13 +97,15 @@ def run(main, skip_python_shutdown=False):
         if dist.is_available() and dist.is_initialized():
             dist.destroy_process_group()
     except Preempted as preempted:
-        if dist.get_rank() == 0:  # also under torchrun, which prints no failure table once it was signalled
+        distributed = dist.is_available() and dist.is_initialized()  # 06 in one process has no group
+        if not distributed or dist.get_rank() == 0:  # also under torchrun: signalled, it prints no failure table
             print(_error_line(preempted), file=sys.stderr, flush=True)
         status = PREEMPTED_EXIT_STATUS
-        # Leave together: rank 0 may still be writing the checkpoint, and torchrun stops every worker once
-        # one has exited with a failure.
-        dist.barrier()
-        dist.destroy_process_group()
+        if distributed:
+            # Leave together: rank 0 may still be writing the checkpoint, and torchrun stops every worker once
+            # one has exited with a failure.
+            dist.barrier()
+            dist.destroy_process_group()
     if skip_python_shutdown:
         sys.stdout.flush()
         sys.stderr.flush()

@@ -85,7 +85,7 @@ def main():
 
     checkpoint_path = os.path.join(args.output_dir, "checkpoint.pt")
     start_epoch, start_batch = 0, 0
-    if os.path.isfile(checkpoint_path):  # a rerun, or torchrun --max-restarts: continue from the last epoch
+    if os.path.isfile(checkpoint_path):  # a rerun, or torchrun --max-restarts: continue where the last run stopped
         # map_location: tensors saved from cuda:0 would otherwise all land on GPU 0.
         checkpoint = torch.load(checkpoint_path, map_location=device, weights_only=True)
         model.module.load_state_dict(checkpoint["model"])  # the plain module's keys, without "module."

@@ -54,6 +54,11 @@ def load_state(path):
     return torch.load(path, map_location="cpu", weights_only=True)
 
 
+def saved_step(output_dir):
+    """The step recorded in `checkpoint.pt`: 04's checkpoint itself, 06's pointer to its saved state."""
+    return load_state(Path(output_dir) / "checkpoint.pt")["step"]
+
+
 def assert_same_weights(path_a, path_b):
     a, b = load_state(path_a), load_state(path_b)
     assert a.keys() == b.keys()

@@ -11,7 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 from jobs import MNIST_LR, SYNTHETIC_ARGS, run_job, workers
 from launch import ROOT, python, torchrun
-from outputs import assert_same_weights, check_ok, load_state, trained_once
+from outputs import assert_same_weights, check_ok, saved_step, trained_once
 
 # Half an epoch with a checkpoint every 10 steps. The worker is killed once the checkpoint of step
 # KILL_AFTER_STEP exists, with steps to spare before the end: the job has something to resume from
@@ -20,11 +20,6 @@ FAULT_RUN_STEPS, KILL_AFTER_STEP = 50, 20
 FAULT_RUN_ARGS = [*SYNTHETIC_ARGS, "--max-steps", FAULT_RUN_STEPS, "--save-every", 10]
 # The elastic launch of docs/fault-tolerance.md (which says why the variable is needed).
 ELASTIC_OPTIONS, ELASTIC_ENV = ["--max-restarts=1"], {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
-
-
-def saved_step(output_dir):
-    """The step recorded in `checkpoint.pt`: 04's checkpoint itself, 06's pointer to its saved state."""
-    return load_state(output_dir / "checkpoint.pt")["step"]
 
 
 def latest_step(output_dir):

@@ -12,7 +12,7 @@ import pytest
 import torch
 from jobs import SMOKE_ARGS, SMOKE_STEPS
 from launch import ON_GPU, ROOT, free_port
-from outputs import assert_same_weights, check_smoke_run, load_state
+from outputs import assert_same_weights, check_smoke_run, saved_step
 from slurm_cluster import ENDED, one_node_cluster, wait_until
 
 # The sbatch options that turn each script's multi-node GPU job into 2 processes on the one CPU node.
@@ -39,11 +39,12 @@ def slurm():
         yield cluster
 
 
-def saved_step(output_dir):
+def checkpointed(output_dir):
+    """Whether 04 has written the checkpoint of step SIGNAL_AFTER_STEP (or a later one)."""
     try:
-        return load_state(output_dir / "checkpoint.pt")["step"]
+        return saved_step(output_dir) >= SIGNAL_AFTER_STEP
     except (OSError, ValueError):  # not written yet
-        return 0
+        return False
 
 
 @pytest.mark.parametrize("script", JOBS)
@@ -56,7 +57,7 @@ def test_slurm_job_trains_as_torchrun_does_also_when_its_time_limit_signal_reque
     job_id = slurm.submit(script, *SLURM_JOB_ARGS, "--output-dir", tmp_path,
                           options=[*JOBS[script], f"--output={tmp_path}/slurm-%j.out"],
                           env={"MASTER_PORT": str(free_port())})
-    wait_until(lambda: saved_step(tmp_path) >= SIGNAL_AFTER_STEP or slurm.job_state(job_id) in ENDED, JOB_TIMEOUT,
+    wait_until(lambda: checkpointed(tmp_path) or slurm.job_state(job_id) in ENDED, JOB_TIMEOUT,
                "no checkpoint")
     slurm.run("scancel", "--signal=USR1", "--batch", job_id)
     state = slurm.wait(job_id, JOB_TIMEOUT)

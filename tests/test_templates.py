@@ -87,7 +87,7 @@ def test_ddp_template_signalled_mid_epoch_saves_there_and_continues_to_the_unint
 
     command = torchrun(2, "templates/train_ddp.py", "--epochs", EPOCHS, "--output-dir", tmp_path)
     stopped = run_job(command, timeout=TIMEOUT, poll=sigterm_once_both_workers_catch_it)
-    assert signalled and stopped.returncode != 0, stopped.stderr[-3000:]
+    assert signalled and stopped.returncode == 1 and "got signal: 15" in stopped.stderr, stopped.stderr[-3000:]
     assert "preempted: stopped in epoch 1, saved; run again to continue" in stopped.stderr, stopped.stderr[-3000:]
     assert not (tmp_path / "model.pt").exists()
     resumed = run_template("ddp", 2, EPOCHS, tmp_path)
