@@ -9,7 +9,7 @@ import signal
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-from jobs import MNIST_LR, SYNTHETIC_ARGS, run_job, workers
+from jobs import MNIST_LR, SYNTHETIC_ARGS, catches, run_job, workers
 from launch import ROOT, python, torchrun
 from outputs import assert_same_weights, check_ok, saved_step, trained_once
 
@@ -125,6 +125,24 @@ def test_a_signal_to_one_worker_stops_every_worker_at_one_step(tmp_path):
                                 result.stderr))
     assert reasons == [("SIGUSR1", str(step)), ("a signal to another rank", str(step))], reasons
     assert (tmp_path / "checkpoints" / f"step{step}" / ".metadata").is_file()
+
+
+def test_sigterm_to_one_process_without_a_process_group_saves_and_exits_75(tmp_path):
+    """06 under plain `python`: Accelerate on one process creates no process group, and the flag alone decides.
+    SIGTERM once the process handles it (before that, it would end it): a checkpoint at that step, exit 75."""
+    signalled = []
+
+    def sigterm_once_caught(process):
+        if not signalled and catches(process.pid, signal.SIGTERM):
+            os.kill(process.pid, signal.SIGTERM)
+            signalled.append(process.pid)
+
+    command = python("06_mnist_accelerate.py", *FAULT_RUN_ARGS, *MNIST_LR, "--output-dir", tmp_path)
+    result = run_job(command, poll=sigterm_once_caught, timeout=180)
+    assert signalled and result.returncode == 75, result.stderr[-3000:]
+    [step] = re.findall(r"^preempted: SIGTERM received; every rank stopped after step (\d+) ", result.stderr, re.M)
+    assert 0 < int(step) < FAULT_RUN_STEPS and saved_step(tmp_path) == int(step)
+    assert not (tmp_path / "model.pt").exists()
 
 
 # Save a checkpoint with common/utils.save_atomic, as the script does, but die by SIGKILL once half
