@@ -69,7 +69,8 @@ def main():
     # A short timeout: a job whose rank died fails in minutes instead of after the default 30.
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=datetime.timedelta(minutes=5),
                             device_id=device if device.type == "cuda" else None)  # NCCL: bound to this GPU
-    stop_group = dist.new_group(backend="gloo")  # the stop flag's all-reduce, on the CPU: no GPU sync per step
+    # The stop flag's all-reduce: on the CPU (no GPU sync per step), with the same short timeout (a new group's is 30).
+    stop_group = dist.new_group(backend="gloo", timeout=datetime.timedelta(minutes=5))
     torch.manual_seed(0)  # the same initial weights everywhere (DDP also broadcasts rank 0's)
     train_set, test_set = build_datasets()
     # Each rank keeps every world_size-th sample of one shuffle that every rank draws alike: disjoint shares.
