@@ -3,6 +3,7 @@
 import datetime
 import os
 import signal
+import threading
 
 import torch
 import torch.distributed as dist
@@ -61,7 +62,7 @@ def require_one_gpu_per_process():
 class Preemption:
     """SIGTERM or SIGUSR1 (a preemption, a scheduler's warning before a time limit) asks the run to stop.
 
-    The handler only sets a flag: the step in flight finishes. At every step boundary each rank calls
+    The signal only sets a flag: the step in flight finishes. At every step boundary each rank calls
     `agreed()`, one all-reduce (MAX) of its flag, and every rank learns at the same step whether any rank
     was signalled. They then all save the step's checkpoint and stop there together. A rank that stopped
     on its own flag would leave the others waiting in their next collective until the timeout.
@@ -69,17 +70,34 @@ class Preemption:
     The all-reduce runs on a gloo group of its own, on a CPU tensor: on GPUs, reading a result of the
     training group (NCCL) every step would make the CPU wait for the GPU at every step. Its timeout is the
     steps' 5 minutes (a new group's default is 30): a rank that died ends the others soon. A single process
-    without a process group (06 under plain `python`) has its own flag alone."""
+    without a process group (06 under plain `python`) has its own flag alone.
+
+    The data loader's worker processes receive the same signals: torchrun signals each worker's whole process
+    group, Slurm every process of a job step. PyTorch gives a loader worker a handler that dies of SIGTERM (and
+    a spawned one dies of SIGUSR1), and the trainer then raises "DataLoader worker (pid ...) is killed by
+    signal: Terminated" in the middle of a step, before it can save. So the stop signals are blocked in this
+    thread from here on, and every thread and process it starts inherits that: the loader's workers, forked
+    at each epoch, never act on them, from their first instruction. One thread of this process waits for them
+    (`sigwait`) and sets the flag. The workers still end as usual: when the trainer closes its loader, when it
+    dies (they watch it), or by SIGKILL."""
+
+    STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 
     def __init__(self):
         self.signal = None  # the first signal received
         self.stopped = False  # the ranks agreed to stop
         self._group = None
-        for number in (signal.SIGTERM, signal.SIGUSR1):
+        for number in self.STOP_SIGNALS:  # for a thread that started before the block below (imports start some)
             signal.signal(number, self._handle)
+        signal.pthread_sigmask(signal.SIG_BLOCK, self.STOP_SIGNALS)
+        threading.Thread(target=self._wait, name="preemption", daemon=True).start()
 
-    def _handle(self, number, frame):
+    def _handle(self, number, frame=None):
         self.signal = self.signal or signal.Signals(number).name
+
+    def _wait(self):
+        while True:
+            self._handle(signal.sigwait(self.STOP_SIGNALS))
 
     def agreed(self):
         """True on every rank at the same step if any rank has been signalled. Every rank must call it."""
