@@ -13,7 +13,9 @@ import torch
 from launch import ON_GPU, ROOT, environment
 
 # A short run on any data: 24 divides by 1, 2, 3 and 4 processes, and the synthetic training set
-# (2,400 samples) gives 100 steps per epoch.
+# (2,400 samples) gives 100 steps per epoch. No loader workers: 2 per process would add processes to start
+# and share the 2 cores in every run, and these runs check what the training computes, which the workers do not
+# change. The README's own commands, the preemption and the Slurm jobs run with the default workers.
 SHORT_RUN_ARGS = ["--num-workers", "0", "--batch-size", "24", "--lr", "0.1", "--epochs", "1"]
 SYNTHETIC_ARGS = ["--synthetic", *SHORT_RUN_ARGS]
 # A smoke run: enough steps for every step's net to beat chance clearly on the synthetic data.
@@ -21,6 +23,15 @@ SMOKE_STEPS = 30
 SMOKE_ARGS = [*SYNTHETIC_ARGS, "--max-steps", str(SMOKE_STEPS)]
 # 06's CNN has no normalisation layers: SGD needs a smaller step than ResNet-9's at this small batch.
 MNIST_LR = ["--lr", "0.05"]
+
+
+def with_default_workers(args):
+    """`args` without `--num-workers N`: the run keeps the default loader workers, as a user's does."""
+    args = list(args)
+    index = args.index("--num-workers")
+    return args[:index] + args[index + 2:]
+
+
 # bf16 and fp16 on a CPU. A CPU without bf16 instructions (AVX2 only) emulates bf16 about 30 times slower
 # than fp32, and most CPUs emulate fp16: a smoke run of ResNet-9 at its default width took 100-145 s there.
 # The 16-bit runs train it at half the width (a quarter of the FLOPs, still learning in SMOKE_STEPS steps),
@@ -93,6 +104,11 @@ def workers(process):
             if variable.startswith(b"RANK="):
                 found[int(variable[len(b"RANK="):])] = pid
     return found
+
+
+def loader_workers(pid):
+    """The pids of the processes that process `pid` started (a trainer's data-loader workers)."""
+    return _children().get(pid, [])
 
 
 def catches(pid, number):

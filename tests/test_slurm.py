@@ -10,10 +10,12 @@ import shutil
 
 import pytest
 import torch
-from jobs import SMOKE_ARGS, SMOKE_STEPS
+from jobs import SMOKE_ARGS, SMOKE_STEPS, with_default_workers
 from launch import ON_GPU, ROOT, free_port
 from outputs import assert_same_weights, check_smoke_run, saved_step
 from slurm_cluster import ENDED, one_node_cluster, wait_until
+
+pytestmark = pytest.mark.full  # the full tier (docs/testing.md)
 
 # The sbatch options that turn each script's multi-node GPU job into 2 processes on the one CPU node.
 JOBS = {
@@ -23,7 +25,7 @@ JOBS = {
 JOB_TIMEOUT = 180
 # 04's smoke run, with a checkpoint every SIGNAL_AFTER_STEP steps: the job is signalled once the first is on disk.
 SIGNAL_AFTER_STEP = 5
-SLURM_JOB_ARGS = [*SMOKE_ARGS, "--save-every", str(SIGNAL_AFTER_STEP)]
+SLURM_JOB_ARGS = [*with_default_workers(SMOKE_ARGS), "--save-every", str(SIGNAL_AFTER_STEP)]
 
 
 @pytest.fixture(scope="module")
