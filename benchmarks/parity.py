@@ -78,16 +78,17 @@ ROWS_BY_NAME = {row.name: row for row in ROWS}
 ENV = launch.environment({"OMP_NUM_THREADS": "1"})
 
 
-def command(row, output_dir, dtype=None, norm="group"):
-    """The command line of `row`, writing into `output_dir`; `dtype` overrides the row's."""
+def command(row, output_dir, dtype=None, norm="group", data=("--synthetic", "--epochs", 1)):
+    """The command line of `row`, writing into `output_dir`; `dtype` overrides the row's. `data`: the data set
+    and the number of epochs (tests/test_parity.py trains on a small data set for 2 epochs)."""
     in_float64 = ["benchmarks/float64.py"] if (dtype or row.dtype) == "float64" else []
     options = {"06": MNIST, "09": VIT}.get(row.script[:2], [*CIFAR10, "--norm", norm])
     script, *wrapped = [*in_float64, row.script]
     # accelerate launch without the config's fp16: the reference row runs in full precision too.
     precision = {"config_precision": False} if row.launcher == "accelerate" else {}
     return launch.LAUNCHERS[row.launcher](
-        row.nproc, script, *wrapped, "--synthetic", "--num-workers", 0, "--batch-size", 8, "--epochs", 1,
-        "--max-steps", row.steps, *options, *row.args, "--output-dir", output_dir, **precision)
+        row.nproc, script, *wrapped, *data, "--num-workers", 0, "--batch-size", 8, "--max-steps", row.steps,
+        *options, *row.args, "--output-dir", output_dir, **precision)
 
 
 def max_relative_difference(path_a, path_b):

@@ -14,6 +14,7 @@ from common import models
 SCRIPT = "06_mnist_accelerate.py"
 
 
+@pytest.mark.full
 @pytest.mark.parametrize("launcher, nproc", [("accelerate", 2), ("torchrun", 3)])
 def test_accelerate_step(launcher, nproc, tmp_path):
     launch = accelerate_launch if launcher == "accelerate" else torchrun
@@ -25,6 +26,7 @@ def test_accelerate_step(launcher, nproc, tmp_path):
     assert result.stdout.count("epoch 1/1") == 1  # the main process alone prints
 
 
+@pytest.mark.full
 def test_plain_python_is_a_world_of_one(tmp_path):
     check_ok(run_job(python(SCRIPT, *SMOKE_ARGS, *MNIST_LR, "--amp", "bf16", "--output-dir", tmp_path), timeout=120))
     check_smoke_run(tmp_path, SCRIPT, world_size=1, amp="bf16", model_class=models.MnistCNN)
@@ -60,6 +62,7 @@ runpy.run_path(sys.argv[0], run_name="__main__")
 """
 
 
+@pytest.mark.full
 def test_a_crash_in_the_middle_of_a_save_resumes_from_the_save_before(tmp_path):
     """save_state writes its files in place: resume must not trust the half-finished save, and the one before
     it must still be there."""
@@ -75,11 +78,13 @@ def test_a_crash_in_the_middle_of_a_save_resumes_from_the_save_before(tmp_path):
     assert_same_weights(straight / "model.pt", crashed / "model.pt")
 
 
+@pytest.mark.full
 def test_global_batch_not_divisible_by_world_size(tmp_path):
     result = run_job(torchrun(3, SCRIPT, *SYNTHETIC_ARGS, "--batch-size", 32, "--output-dir", tmp_path), timeout=90)
     check_one_error(result, "--batch-size 32 is not divisible by the world size 3")
 
 
+@pytest.mark.full
 @pytest.mark.skipif(ON_GPU, reason="fp16 is refused on CPU-only machines")
 def test_config_fp16_on_a_cpu_machine_is_one_clear_error(tmp_path):
     """accelerate_config.yaml asks for fp16; without a GPU the error says how to override it."""

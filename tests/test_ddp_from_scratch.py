@@ -39,13 +39,14 @@ def trained(tmp_path_factory):
     return trained_once(tmp_path_factory, command)
 
 
-@pytest.mark.parametrize("nproc", [2, 4])
+@pytest.mark.parametrize("nproc", [2, pytest.param(4, marks=pytest.mark.full)])
 def test_the_wrapper_takes_the_steps_of_torchs_ddp(nproc, trained):
     difference = parity.max_relative_difference(trained(("scratch", nproc, 1, "group")),
                                                   trained(("torch", nproc, 1, "group")))
     assert difference <= TOLERANCE, f"{nproc} processes: {difference:.1e}"
 
 
+@pytest.mark.full
 @pytest.mark.parametrize("ddp, nproc", [("scratch", 2), ("scratch", 4), ("torch", 2)])
 def test_replicas_that_start_different_end_equal(ddp, nproc, trained):
     """Each rank builds its model from another seed: only the broadcast at construction makes them equal."""
@@ -55,6 +56,7 @@ def test_replicas_that_start_different_end_equal(ddp, nproc, trained):
     assert metrics["replicas_equal_at_end"] is True
 
 
+@pytest.mark.full
 @pytest.mark.parametrize("ddp", ["scratch", "torch"])
 def test_accumulated_micro_batches_equal_one_step_on_the_whole_batch(ddp, trained):
     difference = parity.max_relative_difference(trained((ddp, 2, ACCUMULATION, "group")),
@@ -62,6 +64,7 @@ def test_accumulated_micro_batches_equal_one_step_on_the_whole_batch(ddp, traine
     assert difference <= TOLERANCE, f"{ddp}: {difference:.1e}"
 
 
+@pytest.mark.full
 @pytest.mark.parametrize("ddp", ["scratch", "torch"])
 def test_no_sync_leaves_one_all_reduce_per_bucket_and_optimizer_step(ddp, trained):
     """Without no_sync(), each of the N backward passes would all-reduce every bucket: N times as many."""
@@ -76,6 +79,7 @@ def test_no_sync_leaves_one_all_reduce_per_bucket_and_optimizer_step(ddp, traine
         assert metrics["steps_by_all_reduces"] == expected
 
 
+@pytest.mark.full
 def test_with_batch_norm_in_float32_the_wrapper_takes_torchs_steps_bit_for_bit(trained):
     """As a user runs it (float32, BatchNorm), with accumulation: 2 processes add the same two gradients in
     either wrapper, so the weights are equal bit for bit. BatchNorm's running statistics are buffers: each

@@ -37,6 +37,7 @@ def deepspeed_op():
         check_ok(run_job(python("-c", "from deepspeed.comm.torch import build_shm_op; build_shm_op()"), timeout=600))
 
 
+@pytest.mark.full
 @pytest.mark.parametrize("launcher, nproc, zero_stage, amp", [
     ("torchrun", 2, None, "none"),  # the config file's stage (2)
     ("torchrun", 3, 3, "bf16"),
@@ -57,6 +58,7 @@ def test_deepspeed_step(launcher, nproc, zero_stage, amp, request, tmp_path):
         assert_same_weights(tmp_path / "model.pt", request.getfixturevalue("ddp_weights"))
 
 
+@pytest.mark.full
 @pytest.mark.parametrize("zero_stage", [0, 3])
 def test_amp_keeps_the_weights_and_batchnorm_statistics_in_fp32(zero_stage, tmp_path):
     """--amp bf16 is torch.autocast inside the engine (the config's torch_autocast), not DeepSpeed's bf16
@@ -77,18 +79,26 @@ def test_resume_with_zero3_matches_uninterrupted_run(tmp_path):
     """Stopped and resumed (both mid-epoch) equals one go: every rank saves and reloads its own shard of
     the weights and the optimizer state, and `latest` names the newest complete checkpoint. With 2
     micro-batches per step, the resumed run skips twice as many micro-batches as steps."""
-    stopped, args = check_exact_resume(
+    stopped, _ = check_exact_resume(
         lambda *args: torchrun(2, SCRIPT, *args, "--zero-stage", 3, "--gradient_accumulation_steps", 2), tmp_path)
+    assert read_metrics(stopped)["zero_stage"] == 3  # the engine's own stage: --zero-stage overrides the config's 2
     checkpoints = stopped / "checkpoints"
     assert (checkpoints / "latest").read_text() == f"step{END_STEP}"
     assert [path.name for path in checkpoints.iterdir() if path.is_dir()] == [f"step{END_STEP}"]  # older ones removed
-    # ZeRO-3's shards fit 2 processes only: DeepSpeed's universal checkpoint, which would re-partition them,
-    # converts Adam's state only. 3 processes are refused, in one line.
-    result = run_job(torchrun(3, SCRIPT, *args, "--max-steps", END_STEP + 4, "--zero-stage", 3, "--resume",
-                              "--output-dir", stopped), timeout=120)
+
+
+@pytest.mark.full
+def test_zero3_checkpoint_refuses_another_world_size(tmp_path):
+    """ZeRO-3's shards fit 2 processes only: DeepSpeed's universal checkpoint, which would re-partition them,
+    converts Adam's state only. 3 processes are refused, in one line."""
+    args = ["--data-dir", tiny_cifar10(tmp_path / "data", 96, 11), *SHORT_RUN_ARGS, "--epochs", 2, "--zero-stage", 3,
+            "--width", 8, "--output-dir", tmp_path / "out"]
+    check_ok(launch("torchrun", 2, *args, "--max-steps", 4, "--save-every", 4))
+    result = run_job(torchrun(3, SCRIPT, *args, "--max-steps", 8, "--resume"), timeout=120)
     check_one_error(result, "with 3 processes: its ZeRO shards were written by 2", "not SGD's")
 
 
+@pytest.mark.full
 def test_zero0_checkpoint_resumes_at_another_world_size(tmp_path):
     """Without ZeRO every rank's checkpoint holds the whole state, so 3 processes resume 2 processes' checkpoint:
     exactly the saved weights (a resume that trains no step writes them back), and on from there. Not compared
@@ -105,6 +115,7 @@ def test_zero0_checkpoint_resumes_at_another_world_size(tmp_path):
     assert_same_weights(saved / "model.pt", loaded / "model.pt")
 
 
+@pytest.mark.full
 @pytest.mark.parametrize("launcher, nproc, args, message", [
     ("deepspeed", 3, ["--batch-size", 32], "--batch-size 32 is not divisible by the world size 3"),
     ("python", 1, ["--resume"], "--resume: no checkpoint in"),
@@ -154,6 +165,7 @@ def without_accumulation(tmp_path_factory, accumulation_data):
     return output_dir / "model.pt"
 
 
+@pytest.mark.full
 @pytest.mark.parametrize("zero_stage", BACKWARD_REDUCTIONS)
 def test_gradient_accumulation(zero_stage, accumulation_data, request, tmp_path):
     """--gradient_accumulation_steps 4: each optimizer step is 4 micro-batches of 3 samples on each of

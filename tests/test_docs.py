@@ -11,6 +11,7 @@ own, verbatim, and the collectives' values in docs/collectives.md are what 4 pro
 import ast
 import importlib.util
 import json
+import os
 import re
 import shlex
 import subprocess
@@ -254,6 +255,7 @@ def test_the_pipeline_figure_shows_the_bubble_and_the_memory_of_each_schedule(tm
     assert figure_output("docs/pipeline-parallel.md", "pipeline_figure.py", "pipeline-parallel.png") == output
 
 
+@pytest.mark.full
 def test_the_tensor_parallel_figure_shows_where_each_collective_runs(tmp_path):
     """09's plan, measured at tp 2, at tp 4 and at 2 replicas of tp 2. In each block the forward pass gathers the
     tokens before each colwise layer and reduce-scatters them after each rowwise one; the backward pass mirrors
@@ -325,3 +327,27 @@ def test_the_tensor_parallel_figure_uses_the_plan_of_step_09():
                                                       ("attention_norm", "head") for key in node.keys)]
     assert len(plans("09_cifar10_tensor_parallel.py")) == 2
     assert plans("benchmarks/tensor_parallel_figure.py") == plans("09_cifar10_tensor_parallel.py")
+
+
+def tiers_of_the_tests():
+    """{tests/FILE::NAME: the tiers that run its cases}, from one collection of the whole suite (tests/tiers.py)."""
+    result = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "tiers", "-p",
+                             "no:cacheprovider", "-o", "addopts="], cwd=ROOT, capture_output=True, text=True,
+                            timeout=120, env={**os.environ, "PYTHONPATH": str(ROOT / "tests")})
+    tiers = {}
+    for line in result.stdout.splitlines():
+        if line.startswith("tier: "):
+            test, tier = line.removeprefix("tier: ").rsplit(" ", 1)  # parameters may hold spaces
+            tiers.setdefault(test.split("[")[0], set()).add(tier)
+    assert tiers, result.stdout + result.stderr
+    return {test: [tier for tier in ("quick", "full", "slow") if tier in found] for test, found in tiers.items()}
+
+
+def test_the_testing_page_lists_every_test_with_its_tiers():
+    """docs/testing.md's table "claim, test, tier" names every test function of the suite once, with the tiers
+    that run its cases (a parametrized test may have cases in both), and no test that does not exist."""
+    rows = re.findall(r"^\| (.+?) \| `(tests/test_\w+\.py::test_\w+)` \| ([a-z, ]+) \|$", PAGES["docs/testing.md"],
+                      flags=re.M)
+    listed = {test: tiers.split(", ") for _, test, tiers in rows}
+    assert len(listed) == len(rows), "a test listed twice"
+    assert listed == tiers_of_the_tests()

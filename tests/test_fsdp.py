@@ -14,6 +14,7 @@ from resume import END_STEP, check_exact_resume
 SCRIPT = "07_cifar10_fsdp.py"
 
 
+@pytest.mark.full
 @pytest.mark.parametrize("nproc, amp", [(2, "none"), (3, "bf16")])
 def test_fsdp_step(nproc, amp, request, tmp_path):
     size, timeout, width = sized_for(amp)
@@ -38,6 +39,7 @@ def test_resume_mid_epoch_matches_uninterrupted_run(tmp_path):
     assert shards == ["__0_0.distcp", "__1_0.distcp"]  # one file per rank
 
 
+@pytest.mark.full
 @pytest.mark.parametrize("nproc, args, message", [
     (3, ["--batch-size", 32], "--batch-size 32 is not divisible by the world size 3"),
     (1, ["--resume"], "--resume: no checkpoint in"),
@@ -49,6 +51,7 @@ def test_bad_input_is_one_line(nproc, args, message, tmp_path):
     assert not (tmp_path / "metrics.json").exists()
 
 
+@pytest.mark.full
 def test_an_overflow_in_one_shard_skips_the_step_on_every_rank():
     """07 uses torch's own GradScaler (not ShardedGradScaler): FSDP2's gradients are DTensors, whose
     overflow check takes the maximum over the ranks."""

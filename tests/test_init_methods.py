@@ -12,7 +12,8 @@ from outputs import assert_same_weights, check_ok, check_one_error, check_smoke_
 
 SCRIPT = "init_methods.py"
 
-pytestmark = pytest.mark.skipif(ON_GPU and torch.cuda.device_count() < 2, reason="2 processes need 2 GPUs")
+pytestmark = [pytest.mark.skipif(ON_GPU and torch.cuda.device_count() < 2, reason="2 processes need 2 GPUs"),
+              pytest.mark.full]  # the full tier: a side road of step 04 (docs/testing.md)
 
 
 def job(init, run_args, init_file):

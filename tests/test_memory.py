@@ -14,6 +14,8 @@ from outputs import check_ok
 
 from common import models
 
+pytestmark = pytest.mark.full  # the full tier: the benchmark's runs (docs/testing.md)
+
 WORLD_SIZE = 2
 METHODS = ["DDP", "ZeRO-1", "ZeRO-2", "ZeRO-3", "FSDP2"]
 # One fp32 copy of every ResNet-9 weight: the parameters, the gradients, the momentum of a whole replica.

@@ -20,6 +20,8 @@ from outputs import assert_same_weights, check_ok, check_smoke_run, read_metrics
 
 from common import data
 
+pytestmark = pytest.mark.full  # the full tier (docs/testing.md)
+
 NODES, PROCESSES_PER_NODE = 2, 2
 WORLD_SIZE = NODES * PROCESSES_PER_NODE
 DDP, ACCELERATE, DEEPSPEED = "04_cifar10_ddp.py", "06_mnist_accelerate.py", "05_cifar10_deepspeed.py"

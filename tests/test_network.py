@@ -12,6 +12,8 @@ from jobs import SHORT_RUN_ARGS, run_job
 from launch import python, torchrun
 from outputs import check_ok, check_one_error
 
+pytestmark = pytest.mark.full  # the full tier (docs/testing.md)
+
 
 @pytest.fixture
 def stalling_proxy():

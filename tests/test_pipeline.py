@@ -15,6 +15,7 @@ SCRIPT = "08_cifar10_pipeline.py"
 
 
 # Plain python, a world of one with one stage, runs below: the gradients' reference.
+@pytest.mark.full
 @pytest.mark.parametrize("nproc, args, stages", [
     (2, [], 2),  # the default: as many stages as processes
     (4, ["--stages", 2, "--schedule", "gpipe"], 2),  # 2 stages x 2 replicas
@@ -26,6 +27,7 @@ def test_pipeline_step(nproc, args, stages, tmp_path):
     assert result.stdout.count("epoch 1/1") == 1  # rank 0 alone prints
 
 
+@pytest.mark.full
 def test_resume_mid_epoch_matches_uninterrupted_run(tmp_path):
     """2 stages x 2 replicas: each stage writes its part of the weights and optimizer state once (the two
     replicas hold it alike), each rank reads back its own; `latest` names the newest complete checkpoint."""
@@ -79,12 +81,14 @@ def in_flight(record):
 FORWARDS, BACKWARDS = [f"F{index}" for index in range(4)], [f"B{index}" for index in range(4)]
 
 
+@pytest.mark.full
 def test_gpipe_runs_every_forward_before_any_backward(traced):
     for record in traced("gpipe").values():
         assert compute(record) == FORWARDS + BACKWARDS
         assert in_flight(record) == 4  # every micro-batch's activations at once
 
 
+@pytest.mark.full
 def test_1f1b_alternates_once_the_pipe_is_full(traced):
     """Stage 0 starts one micro-batch ahead (one per later stage), then alternates: it holds 2 micro-batches'
     activations at most, the last stage 1, whatever the number of micro-batches."""
@@ -94,6 +98,7 @@ def test_1f1b_alternates_once_the_pipe_is_full(traced):
     assert (in_flight(first), in_flight(last)) == (2, 1)
 
 
+@pytest.mark.full
 def test_both_schedules_send_the_same_messages_point_to_point(traced):
     """The same activations forward and gradients back, in another order; no collective of the whole group
     inside the schedule (the replicas' gradient all-reduce comes after it)."""
@@ -106,6 +111,7 @@ def test_both_schedules_send_the_same_messages_point_to_point(traced):
         assert set(first["collectives"]) | set(last["collectives"]) <= POINT_TO_POINT
 
 
+@pytest.mark.full
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
 def test_the_pipeline_gradients_are_one_process_gradients(schedule, traced):
     """Each micro-batch's loss is a mean over its 2 samples, and the stages add up the gradients of the 4

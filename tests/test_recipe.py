@@ -24,6 +24,7 @@ def runs(tmp_path_factory):
     return output_dirs
 
 
+@pytest.mark.full
 def test_metrics_hold_the_history_of_every_epoch(runs):
     metrics = read_metrics(runs["plain"])
     history = metrics["history"]
@@ -36,6 +37,7 @@ def test_metrics_hold_the_history_of_every_epoch(runs):
     assert models.count_parameters(model) < models.count_parameters(models.ResNet9()) / 10
 
 
+@pytest.mark.full
 def test_tta_changes_the_evaluation_only(runs):
     assert_same_weights(runs["plain"] / "model.pt", runs["tta"] / "model.pt")
     plain, tta = read_metrics(runs["plain"]), read_metrics(runs["tta"])
@@ -44,6 +46,7 @@ def test_tta_changes_the_evaluation_only(runs):
     assert plain["test_samples"] == tta["test_samples"] == data.SYNTHETIC_TEST_SIZE
 
 
+@pytest.mark.full
 def test_report_draws_both_runs(runs, tmp_path):
     picture = tmp_path / "report.png"
     check_ok(run_job(python(ROOT / "benchmarks" / "report.py", runs["plain"], runs["tta"], "--output", picture)))
@@ -56,6 +59,7 @@ def test_report_refuses_a_directory_without_metrics(tmp_path):
     assert result.returncode != 0 and "metrics.json not found" in result.stderr
 
 
+@pytest.mark.full
 def test_pipeline_benchmark_prints_the_four_rates_and_the_flop_count():
     result = check_ok(run_job(python(ROOT / "benchmarks" / "pipeline.py", "--steps", "3", "--warmup", "1",
                                      "--batch-size", "64")))

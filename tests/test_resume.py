@@ -8,6 +8,8 @@ from launch import python, torchrun
 from outputs import check_ok, load_state, read_metrics
 from resume import END_STEP, check_exact_resume
 
+pytestmark = pytest.mark.full  # the full tier: the quick tier resumes once per checkpoint format (docs/testing.md)
+
 LAUNCH = {
     "01": lambda *args: python("01_cifar10_cpu.py", *args),
     "02": lambda *args: python("02_cifar10_gpu.py", *args),

@@ -1,12 +1,64 @@
-"""Each step, run as a user runs it, learns and writes the contract's outputs."""
+"""Each step, launched as the README launches it, writes the contract's outputs; run longer, it learns.
+
+The quick tier runs each step once as a reader copies it from the README's tour table (the column "on a
+CPU-only machine"), with every default (2 loader workers, the global batch of 256, the model's width), only
+shortened: `--synthetic --max-steps 1`. The full tier's runs (`-m full`) train 30 steps and check learning."""
+
+import re
+import shlex
+import sys
 
 import pytest
 from data_dirs import tiny_cifar10
-from jobs import SHORT_RUN_ARGS, SMOKE_ARGS, run_job, sized_for
-from launch import ON_GPU, python, torchrun
-from outputs import check_ok, check_smoke_run, read_metrics
+from jobs import SHORT_RUN_ARGS, SMOKE_ARGS, processes_per_machine, run_job, sized_for
+from launch import BIN, ON_GPU, ROOT, SCRIPTS, free_port, python, torchrun
+from outputs import check_ok, check_outputs, check_smoke_run, read_metrics
+
+from common import models
+
+README_STEPS = 1  # a run with the README's defaults, cut short: 1 optimizer step, then evaluation and outputs
+MODELS = {"06_mnist_accelerate.py": models.MnistCNN, "09_cifar10_tensor_parallel.py": models.VisionTransformer}
 
 
+def readme_cpu_commands():
+    """{script: its command} from the README's tour table, column "on a CPU-only machine"."""
+    rows = re.findall(r"^\| 0\d \| `(0\d_\w+\.py)` \|.*\| `([^`]+)` \| (?:\d+ lines vs `0\d_\w+\.py`|—) \|$",
+                      (ROOT / "README.md").read_text(), flags=re.M)
+    return dict(rows)
+
+
+def as_launched(command, *more_args):
+    """A README command line (`VARIABLE=value` first, a launcher, a script) as a process to start: its words,
+    the environment it sets, `more_args` added after the script's own."""
+    words = shlex.split(command)
+    env = {}
+    while "=" in words[0]:
+        name, value = words.pop(0).split("=", 1)
+        env[name] = value
+    launcher = sys.executable if words[0] == "python" else str(BIN / words[0])
+    if words[0] == "deepspeed":  # a free port instead of its fixed 29500, which another job here may hold
+        words.insert(1, f"--master_port={free_port()}")
+    return [launcher, *words[1:], *map(str, more_args)], env
+
+
+def test_the_readme_launches_every_step():
+    assert sorted(readme_cpu_commands()) == sorted(SCRIPTS.values())
+
+
+@pytest.mark.parametrize("script", sorted(SCRIPTS.values()))
+def test_the_readme_command_with_its_defaults_writes_the_contracts_outputs(script, tmp_path):
+    command, env = as_launched(readme_cpu_commands()[script], "--synthetic", "--max-steps", README_STEPS,
+                               "--output-dir", tmp_path)
+    # 2 loader workers per process start in a few seconds, and 16-bit runs are not in the CPU column.
+    result = check_ok(run_job(command, env=env, timeout=300))
+    world_size = processes_per_machine(command)
+    check_outputs(tmp_path, script, world_size, model_class=MODELS.get(script, models.ResNet9), steps=README_STEPS,
+                  batch_size=256)
+    # Rank 0 alone prints: one summary line, not one per process.
+    assert result.stdout.count("epoch 1/10 ") == 1, result.stdout[-2000:]
+
+
+@pytest.mark.full
 @pytest.mark.parametrize("script, extra", [
     ("01_cifar10_cpu.py", ["--num-workers", "2"]),  # the default loader, with worker processes
     ("02_cifar10_gpu.py", ["--amp", "bf16"]),
@@ -22,6 +74,7 @@ def test_single_process_step(script, extra, tmp_path):
         assert ("no GPU found" in result.stdout) != ON_GPU
 
 
+@pytest.mark.full
 @pytest.mark.parametrize("nproc", [2, 3])
 def test_ddp_step(nproc, request, tmp_path):
     if nproc == 2:  # the run that other tests compare with (conftest.py)
@@ -33,6 +86,7 @@ def test_ddp_step(nproc, request, tmp_path):
     assert result.stdout.count("epoch 1/1") == 1
 
 
+@pytest.mark.full
 def test_ddp_with_more_processes_than_test_samples(tmp_path):
     """The rank whose test slice is empty evaluates nothing and still takes part in every collective of the
     evaluation: DDP's own forward would broadcast BatchNorm's statistics in the first test batch, which
@@ -43,6 +97,7 @@ def test_ddp_with_more_processes_than_test_samples(tmp_path):
     assert read_metrics(tmp_path)["test_samples"] == 2
 
 
+@pytest.mark.full
 def test_ddp_step_without_a_launcher_is_a_world_of_one(tmp_path):
     check_ok(run_job(python("04_cifar10_ddp.py", *SMOKE_ARGS, "--output-dir", tmp_path), timeout=120))
     check_smoke_run(tmp_path, "04_cifar10_ddp.py", world_size=1)

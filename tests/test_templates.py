@@ -52,7 +52,7 @@ def finished(tmp_path_factory):
     return run
 
 
-@pytest.mark.parametrize("nproc", [2, 3])
+@pytest.mark.parametrize("nproc", [2, pytest.param(3, marks=pytest.mark.full)])
 @pytest.mark.parametrize("name", STEPS)
 def test_template_learns_and_counts_every_test_sample_once(name, nproc, finished):
     metrics = read_metrics(finished(name, nproc))
@@ -64,6 +64,49 @@ def test_template_learns_and_counts_every_test_sample_once(name, nproc, finished
     assert metrics["test_loss"] < 0.8 * math.log(10)
 
 
+# A user's data set in the DDP template's marked place, whose training samples write down the order they are read
+# in: each rank appends the indices it reads to a file of its own.
+RECORDING_DATA = """
+def build_datasets():  # YOUR DATA
+    class Recorded(torch.utils.data.Dataset):
+        def __init__(self, size, record):
+            self.size, self.record = size, record
+
+        def __len__(self):
+            return self.size
+
+        def __getitem__(self, index):
+            if self.record:
+                with open(os.path.join(os.environ["RECORD_DIR"], f"rank{os.environ['RANK']}"), "a") as file:
+                    file.write(f"{index}\\n")
+            return torch.full((3, 8, 8), float(index % 10)), index % 10
+
+    return Recorded(192, record=True), Recorded(10, record=False)
+"""
+
+
+def test_ddp_template_with_a_users_data_reads_disjoint_shares_in_a_new_order_each_epoch(tmp_path):
+    """The template as a user adapts it: their own data set in `build_datasets`, 192 samples, 2 epochs at the
+    default global batch of 96 and 2 processes. In each epoch the ranks read disjoint halves of the whole set, and
+    the second epoch's order is another shuffle (`sampler.set_epoch`), not the first one's again."""
+    template = (ROOT / "templates" / "train_ddp.py").read_text()
+    start = template.index("def build_datasets():")
+    end = template.index("\n\n\ndef ", start)
+    adapted = tmp_path / "train.py"
+    adapted.write_text(template[:start] + RECORDING_DATA.strip() + template[end:])
+    records = tmp_path / "records"
+    records.mkdir()
+    command = torchrun(2, adapted, "--epochs", 2, "--output-dir", tmp_path / "out")
+    check_ok(run_job(command, env={"RECORD_DIR": str(records)}, timeout=TIMEOUT))
+    read = [[int(line) for line in (records / f"rank{rank}").read_text().split()] for rank in range(2)]
+    assert [len(indices) for indices in read] == [192, 192]  # 96 per rank and epoch
+    epochs = [read[0][:96] + read[1][:96], read[0][96:] + read[1][96:]]
+    for order in epochs:
+        assert sorted(order) == list(range(192))  # disjoint shares that cover the set
+    assert epochs[0] != epochs[1]
+
+
+@pytest.mark.full
 @pytest.mark.parametrize("name", STEPS)
 def test_a_run_stopped_after_an_epoch_continues_to_the_uninterrupted_runs_weights(name, finished, tmp_path):
     run_template(name, 2, 1, tmp_path)
@@ -73,6 +116,7 @@ def test_a_run_stopped_after_an_epoch_continues_to_the_uninterrupted_runs_weight
     assert_same_weights(finished(name, 2) / "model.pt", tmp_path / "model.pt")
 
 
+@pytest.mark.full
 def test_ddp_template_signalled_mid_epoch_saves_there_and_continues_to_the_uninterrupted_runs_weights(finished,
                                                                                                  tmp_path):
     """SIGTERM to torchrun, as a scheduler sends it, once both workers handle it (before that, it would kill them):
@@ -95,6 +139,7 @@ def test_ddp_template_signalled_mid_epoch_saves_there_and_continues_to_the_unint
     assert_same_weights(finished("ddp", 2) / "model.pt", tmp_path / "model.pt")
 
 
+@pytest.mark.full
 @pytest.mark.parametrize("name", STEPS)
 def test_a_diverged_run_stops_with_one_error_before_it_saves(name, tmp_path):
     command = torchrun(2, f"templates/train_{name}.py", "--epochs", 1, "--lr", 1e20, "--output-dir", tmp_path)

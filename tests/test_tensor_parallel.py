@@ -11,6 +11,8 @@ from resume import END_STEP, check_exact_resume
 
 from common import models
 
+pytestmark = pytest.mark.full  # the full tier: the quick tier holds 09 by its parity rows
+
 SCRIPT = "09_cifar10_tensor_parallel.py"
 # The vision transformer learns more slowly than ResNet-9 on the synthetic data: after 30 steps its accuracy is
 # 0.26-0.28, after 60 steps at this rate 0.31 (measured in a world of one and at 2 processes).

@@ -72,6 +72,7 @@ def test_the_docs_show_what_each_configuration_starts():
         assert shlex.join(command) in page, configuration["name"]
 
 
+@pytest.mark.full
 @pytest.mark.parametrize("configuration", LAUNCHES, ids=[configuration["name"] for configuration in LAUNCHES])
 def test_configuration_runs_the_step(configuration, tmp_path):
     command = command_line(configuration)

@@ -18,11 +18,21 @@ def run_tool(*command):
 
 def test_the_workflow_runs_the_readme_commands():
     readme_commands = re.findall(r"^```bash\n(.*?)\n```", (ROOT / "README.md").read_text(), flags=re.S | re.M)
-    assert len(readme_commands) == 2, "the quick start and the tests"
+    assert len(readme_commands) == 3, "the quick start, the quick tier and the full tier"
     workflows = [yaml.safe_load(path.read_text()) for path in sorted(WORKFLOWS.glob("*.yml"))]
     runs = [step["run"] for workflow in workflows for job in workflow["jobs"].values() for step in job["steps"]
             if "run" in step]
     assert runs == readme_commands
+
+
+def test_the_full_tier_runs_on_pull_requests_by_hand_and_weekly_and_the_quick_tier_on_every_push():
+    [workflow] = [yaml.safe_load(path.read_text()) for path in sorted(WORKFLOWS.glob("*.yml"))]
+    events = workflow[True]  # YAML 1.1 reads the key `on` as true
+    assert set(events) == {"push", "pull_request", "workflow_dispatch", "schedule"}
+    quick, full = workflow["jobs"]["quick"], workflow["jobs"]["full"]
+    assert quick["steps"][-1]["run"].endswith("pytest") and full["steps"][-1]["run"].endswith("pytest -m full")
+    assert quick["if"] == "github.event_name == 'push' || github.event_name == 'pull_request'"
+    assert full["if"] == "github.event_name != 'push'"
 
 
 # GitHub's schema (vendored in check-jsonschema: no download), and a timeout on every job: without
