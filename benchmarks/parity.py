@@ -5,11 +5,11 @@
     python benchmarks/parity.py --norm batch # the CIFAR-10 steps with their default BatchNorm
 
 Every row trains on the synthetic data with the same seed, global batch (8) and data order, for
-the same number of optimizer steps, and compares its model.pt with its reference row's: the
-largest relative difference max|a - b| / max|b| over all tensors. The runs use the setting that
-makes the result independent of how a batch is split across processes: `--norm group` (GroupNorm
-instead of BatchNorm) in the ResNet-9 steps, `--no-dropout` in 06 and 09 (whose vision transformer is compared
-with itself in a world of one).
+the same number of optimizer steps (without loader workers, which change nothing that is computed), and
+compares its model.pt with its reference row's: the largest relative difference max|a - b| / max|b| over
+all tensors. The runs use the setting that makes the result independent of how a batch is split across
+processes: `--norm group` (GroupNorm instead of BatchNorm) in the ResNet-9 steps, `--no-dropout` in 06 and
+09 (whose vision transformer is compared with itself in a world of one).
 
 Most rows run in float64 (benchmarks/float64.py): in float32, summing the same gradients in
 another order rounds differently, and ReLU and max-pooling amplify that chaotically within a few

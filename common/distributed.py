@@ -4,6 +4,7 @@ import datetime
 import os
 import signal
 import threading
+from multiprocessing import resource_tracker
 
 import torch
 import torch.distributed as dist
@@ -73,15 +74,15 @@ class Preemption:
     without a process group (06 under plain `python`) has its own flag alone.
 
     The data loader's worker processes receive the same signals: torchrun signals each worker's whole process
-    group, Slurm every process of a job step. PyTorch gives a loader worker a handler that dies of SIGTERM (and
-    a spawned one dies of SIGUSR1), and the trainer then raises "DataLoader worker (pid ...) is killed by
-    signal: Terminated" in the middle of a step, before it can save. So the stop signals are blocked in this
-    thread from here on, and every thread and process it starts inherits that: the loader's workers, forked
-    at each epoch, never act on them, from their first instruction. One thread of this process waits for them
-    (`sigwait`) and sets the flag. The workers still end as usual: when the trainer closes its loader, when it
-    dies (they watch it), or by SIGKILL."""
+    group, Slurm every process of a job step. PyTorch gives a loader worker a handler that dies of SIGTERM
+    unless its parent sent it (a spawned worker dies of SIGUSR1 too), and the trainer then raises "DataLoader
+    worker (pid ...) is killed by signal: Terminated" in the middle of a step, before it can save. So the stop
+    signals are blocked in this thread from here on, and every thread and process it starts inherits the
+    block: the loader's workers never act on them, from their first instruction. One thread of this process
+    waits for them (`sigwait`) and sets the flag (docs/fault-tolerance.md says what else that changes)."""
 
     STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+    _latest = None  # the instance that the waiting thread reports to (a second run in one process: the new one)
 
     def __init__(self):
         self.signal = None  # the first signal received
@@ -89,15 +90,23 @@ class Preemption:
         self._group = None
         for number in self.STOP_SIGNALS:  # for a thread that started before the block below (imports start some)
             signal.signal(number, self._handle)
+        # Processes started by spawn or forkserver (Python 3.14's default on Linux) need multiprocessing's resource
+        # tracker, which unblocks SIGTERM in the thread that starts it. Started now, before the block, it never
+        # starts again.
+        resource_tracker.ensure_running()
         signal.pthread_sigmask(signal.SIG_BLOCK, self.STOP_SIGNALS)
-        threading.Thread(target=self._wait, name="preemption", daemon=True).start()
+        if Preemption._latest is None:
+            threading.Thread(target=Preemption._wait, name="preemption", daemon=True).start()
+        Preemption._latest = self
 
     def _handle(self, number, frame=None):
         self.signal = self.signal or signal.Signals(number).name
 
-    def _wait(self):
+    @staticmethod
+    def _wait():
         while True:
-            self._handle(signal.sigwait(self.STOP_SIGNALS))
+            number = signal.sigwait(Preemption.STOP_SIGNALS)
+            Preemption._latest._handle(number)
 
     def agreed(self):
         """True on every rank at the same step if any rank has been signalled. Every rank must call it."""

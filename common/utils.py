@@ -14,6 +14,7 @@ import shutil
 import sys
 import tempfile
 import time
+import traceback
 
 import torch
 import torch.distributed as dist
@@ -63,7 +64,8 @@ def _error_line(error):
 def run(main, skip_python_shutdown=False):
     """Run a script's `main()`. Bad input (a UsageError, or a rendezvous that cannot start) ends the
     process with one `error:` line and exit status 2; a run stopped by a signal (`Preempted`), with one
-    `preempted:` line and exit status 75; any other exception propagates with its traceback.
+    `preempted:` line and exit status 75; any other exception propagates with its traceback (with
+    `skip_python_shutdown`, the traceback is printed and the exit status is 1).
 
     Every process finds the same bad input (the checks are deterministic), and each exits: none is left
     waiting in a collective. torchrun (and `accelerate launch`, which runs it) collects every worker's
@@ -85,7 +87,10 @@ def run(main, skip_python_shutdown=False):
     ended normally after Accelerate's `end_training()`, aborted once in a CI run (3 processes, 2 cores).
     Nothing is lost: every file the steps write is complete and closed when `main()` returns. A script
     of yours that needs its `atexit` handlers calls their flush (`writer.close()`, `wandb.finish()`)
-    at the end of `main()` before it uses this.
+    at the end of `main()` before it uses this. A failed run ends the same way: its traceback can keep a
+    data loader's iterator alive, whose worker processes Python's shutdown would then terminate and wait
+    for, and they ignore SIGTERM (`distributed.Preemption`): the process would never end. With `os._exit`
+    they see their trainer gone and end by themselves.
     """
     status = 0
     try:
@@ -106,6 +111,11 @@ def run(main, skip_python_shutdown=False):
             # one has exited with a failure.
             dist.barrier()
             dist.destroy_process_group()
+    except BaseException:
+        if not skip_python_shutdown:
+            raise
+        traceback.print_exc()  # under torchrun, `record` has written it to the error file too
+        status = 1
     if skip_python_shutdown:
         sys.stdout.flush()
         sys.stderr.flush()

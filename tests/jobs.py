@@ -107,8 +107,17 @@ def workers(process):
 
 
 def loader_workers(pid):
-    """The pids of the processes that process `pid` started (a trainer's data-loader workers)."""
-    return _children().get(pid, [])
+    """The pids of process `pid`'s data-loader workers that have started: PyTorch names a worker
+    `pt_data_worker` once it has set its own signal handlers, which end it on SIGTERM unless the signal is
+    blocked (before that, a forked worker still has its trainer's handler)."""
+    found = []
+    for child in _children().get(pid, []):
+        try:
+            if Path(f"/proc/{child}/comm").read_text().strip() == "pt_data_worker":
+                found.append(child)
+        except OSError:  # it has just exited
+            continue
+    return found
 
 
 def catches(pid, number):

@@ -30,6 +30,10 @@ PARITY = "tests/test_parity.py::test_same_weights_as_the_reference_run"
 PREEMPTION = ("tests/test_faults.py::"
               "test_a_signal_to_one_workers_process_group_stops_every_rank_at_one_step_and_resumes_exactly")
 README_RUN = "tests/test_steps.py::test_the_readme_command_with_its_defaults_writes_the_contracts_outputs"
+# What the failing check prints: the weights' difference from the reference run, the test samples counted.
+PARITY_DIFFERS = r" vs (01|09 x1): \d"
+WEIGHTS_DIFFER = r"tensors differ"
+MISCOUNTED = r"assert \d+ == 1001"
 
 
 @dataclass(frozen=True)
@@ -40,51 +44,54 @@ class Mutant:
     old: str  # must occur exactly once in `path`
     new: str
     tests: tuple  # quick-tier test ids that must fail
+    expect: str  # a regular expression that the failure's output must match: the claim's check, not a crash
 
 
 MUTANTS = [
     Mutant("set_epoch", "04: each epoch shuffles anew (DistributedSampler.set_epoch)", "04_cifar10_ddp.py",
-           "        sampler.set_epoch(epoch)  # [04]", "        pass  # [04]", (f"{PARITY}[04 x2]",)),
+           "        sampler.set_epoch(epoch)  # [04]", "        pass  # [04]", (f"{PARITY}[04 x2]",), PARITY_DIFFERS),
     Mutant("rank0_share", "04: each rank trains on its own share of the global batch", "04_cifar10_ddp.py",
            "num_replicas=world_size, rank=rank, seed=args.seed", "num_replicas=world_size, rank=0, seed=args.seed",
-           (f"{PARITY}[04 x2]",)),
+           (f"{PARITY}[04 x2]",), PARITY_DIFFERS),
     Mutant("eval_all_reduce", "04: the ranks' test totals are summed: every test sample counted once",
            "04_cifar10_ddp.py", "    dist.all_reduce(totals)  # [04]", "    pass  # [04]",
-           (f"{README_RUN}[04_cifar10_ddp.py]",)),
+           (f"{README_RUN}[04_cifar10_ddp.py]",), MISCOUNTED),
     Mutant("resume_position", "04: a resumed epoch skips the batches trained before the stop", "04_cifar10_ddp.py",
-           "    done = step - epoch * len(loader)", "    done = 0", (PREEMPTION,)),
+           "    done = step - epoch * len(loader)", "    done = 0", (PREEMPTION,), WEIGHTS_DIFFER),
     Mutant("scratch_mean", "ddp_from_scratch.py: the summed gradients are divided by the world size (a mean)",
            "ddp_from_scratch.py", "            flat /= self.world_size", "            pass",
-           ("tests/test_ddp_from_scratch.py::test_the_wrapper_takes_the_steps_of_torchs_ddp[2]",)),
+           ("tests/test_ddp_from_scratch.py::test_the_wrapper_takes_the_steps_of_torchs_ddp[2]",), r"2 processes: \d"),
     Mutant("stop_flag_shared", "04-09: the stop flag is shared (all-reduced) so that every rank stops at one step",
            "common/distributed.py", "            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._group)",
-           "            pass", (PREEMPTION,)),
+           "            pass", (PREEMPTION,), "hung: killed after"),
     Mutant("loader_workers_signals", "04-09: the loader's workers do not die of the stop signals",
            "common/distributed.py", "        signal.pthread_sigmask(signal.SIG_BLOCK, self.STOP_SIGNALS)", "",
-           (PREEMPTION,)),
+           (PREEMPTION,), r"DataLoader worker \(pid"),
     Mutant("zero_stage", "05: --zero-stage sets the engine's ZeRO stage", "05_cifar10_deepspeed.py",
            '        config.setdefault("zero_optimization", {})["stage"] = args.zero_stage  # [05]',
-           "        pass  # [05]", ("tests/test_deepspeed.py::test_resume_with_zero3_matches_uninterrupted_run",)),
+           "        pass  # [05]", ("tests/test_deepspeed.py::test_resume_with_zero3_matches_uninterrupted_run",),
+           "assert 2 == 3"),
     Mutant("gather_for_metrics", "06: gather_for_metrics drops the padding of the last batch", "06_mnist_accelerate.py",
            "accelerator.gather_for_metrics((logits, labels))", "accelerator.gather((logits, labels))",
-           (f"{README_RUN}[06_mnist_accelerate.py]",)),
-    Mutant("dcp_optimizer_state", "07: the sharded checkpoint restores the optimizer's state", "07_cifar10_fsdp.py",
-           "model_state_dict=model_state, optim_state_dict=optimizer_state)",
-           "model_state_dict=model_state, optim_state_dict=get_state_dict(model, optimizer)[1])",
-           ("tests/test_fsdp.py::test_resume_mid_epoch_matches_uninterrupted_run",)),
+           (f"{README_RUN}[06_mnist_accelerate.py]",), MISCOUNTED),
+    Mutant("dcp_optimizer_state", "07: the sharded checkpoint restores the optimizer's state (momentum)",
+           "07_cifar10_fsdp.py", '{"model": model_state, "optimizer": optimizer_state}, checkpoint_id=directory)',
+           '{"model": model_state}, checkpoint_id=directory)',
+           ("tests/test_fsdp.py::test_resume_mid_epoch_matches_uninterrupted_run",), WEIGHTS_DIFFER),
     Mutant("pipeline_scale_grads", "08: the micro-batches' summed gradients are divided by their number",
            "08_cifar10_pipeline.py", "n_microbatches=args.microbatches, loss_fn=loss_fn)",
-           "n_microbatches=args.microbatches, loss_fn=loss_fn, scale_grads=False)", (f"{PARITY}[08 2x1]",)),
+           "n_microbatches=args.microbatches, loss_fn=loss_fn, scale_grads=False)", (f"{PARITY}[08 2x1]",),
+           PARITY_DIFFERS),
     Mutant("tp_norm_partial_sums", "09: the norm weights' gradients, partial sums over a rank's tokens, are reduced "
            "over the tensor-parallel group (SequenceParallel)", "09_cifar10_tensor_parallel.py",
-           '        "attention_norm": SequenceParallel(),', "", (f"{PARITY}[09 x2]",)),
+           '        "attention_norm": SequenceParallel(),', "", (f"{PARITY}[09 x2]",), PARITY_DIFFERS),
     Mutant("template_set_epoch", "templates/train_ddp.py: each epoch shuffles anew", "templates/train_ddp.py",
            "        sampler.set_epoch(epoch)", "        pass",
            ("tests/test_templates.py::test_ddp_template_with_a_users_data_reads_disjoint_shares_in_a_new_order_"
-            "each_epoch",)),
+            "each_epoch",), r"assert \[.*\] != \["),
     Mutant("template_test_totals", "templates/train_ddp.py: the ranks' test totals are summed",
            "templates/train_ddp.py", "    dist.all_reduce(totals)", "    pass",
-           ("tests/test_templates.py::test_template_learns_and_counts_every_test_sample_once[ddp-2]",)),
+           ("tests/test_templates.py::test_template_learns_and_counts_every_test_sample_once[ddp-2]",), MISCOUNTED),
 ]
 
 
@@ -119,8 +126,8 @@ def run_tests(root, tests):
     except subprocess.TimeoutExpired:
         os.killpg(process.pid, signal.SIGKILL)
         output, _ = process.communicate()
-        return None, [], output[-3000:]
-    return process.returncode, re.findall(r"^(?:FAILED|ERROR) (\S+)", output, re.M), output[-3000:]
+        return None, [], output
+    return process.returncode, re.findall(r"^(?:FAILED|ERROR) (.+?)(?: - .*)?$", output, re.M), output
 
 
 def main():
@@ -144,10 +151,14 @@ def main():
             apply(mutant, root)
             start = time.monotonic()
             status, failed, output = run_tests(root, mutant.tests)
-            caught = status == 1 or status is None  # tests failed, or hung past the limit
-            verdict = "caught" if caught else ("MISSED" if status == 0 else f"ERROR (pytest exit {status})")
+            # Caught: the tests failed by the claim's own check (not a crash of the edited code), or hung.
+            caught = status in (1, None) and re.search(mutant.expect, output) is not None
+            verdict = "caught" if caught else ("MISSED" if status == 0 else f"OTHER (pytest exit {status})")
+            reason = next(iter(re.findall(r"^E +(.+)$", output, re.M)), "")[:150]  # pytest's first error line
             print(f"{verdict:<8} {mutant.name:<24} {time.monotonic() - start:5.0f} s  {mutant.path}: {mutant.claim}"
-                  + (f"\n         by {', '.join(failed) or 'the time limit'}" if caught else f"\n{output}"), flush=True)
+                  + (f"\n         by {', '.join(failed) or 'the time limit'}: {reason}" if caught else
+                     f"\n{output[-3000:]}"),
+                  flush=True)
             if not caught:
                 missed.append(mutant.name)
             shutil.rmtree(root)

@@ -8,6 +8,8 @@ import numpy as np
 import pytest
 import torch
 from data_dirs import mnist_data_dir
+from jobs import run_job
+from launch import ROOT, python
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.data.distributed import DistributedSampler
 
@@ -350,3 +352,51 @@ def test_the_default_learning_rate_follows_the_global_batch(argv, lr):
     """0.2 at the default global batch of 256, scaled linearly; a given --lr is kept as it is."""
     parser = flags.build_parser("04_cifar10_ddp.py", "", epochs=10, batch_size=256, lr=0.2)
     assert parser.parse_args(argv).lr == pytest.approx(lr)
+
+
+# Started after `Preemption`, a loader's worker process reports its blocked signals from /proc (SigBlk); a sample
+# that raises ends the run through utils.run, which must not wait for the workers (they ignore SIGTERM).
+LOADER_WORKER_SIGNALS = """
+import sys
+
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+from common import distributed, utils
+
+
+class BlockedSignals(Dataset):
+    def __len__(self):
+        return 4
+
+    def __getitem__(self, index):
+        if sys.argv[2] == "fail" and index == 3:
+            raise ValueError("a broken sample")
+        blocked = int(open("/proc/self/status").read().split("SigBlk:")[1].split()[0], 16)
+        return torch.tensor([blocked >> (number - 1) & 1 for number in distributed.Preemption.STOP_SIGNALS])
+
+
+def main():
+    distributed.Preemption()
+    for batch in DataLoader(BlockedSignals(), batch_size=2, num_workers=2, multiprocessing_context=sys.argv[1]):
+        print(batch.tolist())
+
+
+if __name__ == "__main__":
+    utils.run(main, skip_python_shutdown=True)
+"""
+
+
+@pytest.mark.full
+@pytest.mark.parametrize("start_method", ["fork", "spawn"])
+def test_forked_or_spawned_loader_workers_never_act_on_the_stop_signals(start_method, tmp_path):
+    """SIGTERM and SIGUSR1 are blocked in the loader's workers from their start, whether they are forked (Linux's
+    default up to Python 3.13) or spawned. A run whose data set fails ends with the error, exit status 1, and
+    does not wait for its workers."""
+    script = tmp_path / "loader_worker_signals.py"
+    script.write_text(LOADER_WORKER_SIGNALS)
+    env = {"PYTHONPATH": str(ROOT)}
+    result = run_job(python(script, start_method, "ok"), env=env, timeout=120)
+    assert result.returncode == 0 and result.stdout.split("\n")[:2] == ["[[1, 1], [1, 1]]"] * 2, result.stderr
+    failed = run_job(python(script, start_method, "fail"), env=env, timeout=60)
+    assert failed.returncode == 1 and "ValueError: a broken sample" in failed.stderr, failed.stderr[-3000:]
