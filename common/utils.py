@@ -111,6 +111,12 @@ def run(main, skip_python_shutdown=False):
             # one has exited with a failure.
             dist.barrier()
             dist.destroy_process_group()
+    except SystemExit as request:  # sys.exit() inside main(): its status
+        if not skip_python_shutdown:
+            raise
+        if request.code is not None and not isinstance(request.code, int):
+            print(request.code, file=sys.stderr)  # sys.exit("message"), as Python would print it
+        status = request.code if isinstance(request.code, int) else int(request.code is not None)
     except BaseException:
         if not skip_python_shutdown:
             raise
