@@ -13,7 +13,7 @@ import signal
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-from jobs import MNIST_LR, SYNTHETIC_ARGS, catches, loader_workers, run_job, workers
+from jobs import MNIST_LR, SYNTHETIC_ARGS, catches, loader_workers, run_job, with_default_workers, workers
 from launch import ROOT, python, torchrun
 from outputs import assert_same_weights, check_ok, saved_step, trained_once
 
@@ -22,8 +22,7 @@ from outputs import assert_same_weights, check_ok, saved_step, trained_once
 # and something left to do. The default loader workers; a global batch of 24 (not 256) makes 50 steps take
 # seconds, so that a signal lands in the middle of an epoch.
 FAULT_RUN_STEPS, KILL_AFTER_STEP = 50, 20
-FAULT_RUN_ARGS = ["--synthetic", "--batch-size", 24, "--lr", 0.1, "--epochs", 1, "--max-steps", FAULT_RUN_STEPS,
-                  "--save-every", 10]
+FAULT_RUN_ARGS = [*with_default_workers(SYNTHETIC_ARGS), "--max-steps", FAULT_RUN_STEPS, "--save-every", 10]
 QUICK_RUN_STEPS = 30
 # torchrun passes these signals on to its workers; SIGUSR1 only when told to (docs/fault-tolerance.md).
 HANDLED_SIGNALS = ["--signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"]
