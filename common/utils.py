@@ -25,6 +25,8 @@ class UsageError(Exception):
     """Bad input: reported as one `error:` line, then exit status 2."""
 
 
+_REPORTER_GRACE_SECONDS = 10  # a launcher that stops the others when the first process fails ends this sooner
+
 PREEMPTED_EXIT_STATUS = 75  # sysexits.h's EX_TEMPFAIL: stopped before the end, to be continued
 
 
@@ -70,7 +72,9 @@ def run(main, skip_python_shutdown=False):
     Every process finds the same bad input (the checks are deterministic), and each exits: none is left
     waiting in a collective. torchrun (and `accelerate launch`, which runs it) collects every worker's
     error through `record` and names the first in its failure table, so under torchrun the workers
-    print nothing. Without torchrun, the first process of each machine prints the line.
+    print nothing. Without torchrun, the first process of each machine prints the line, and the others
+    wait up to 10 seconds before they exit: a launcher that stops every process once one has failed
+    (DeepSpeed's, `srun --kill-on-bad-exit`) stops them as soon as the first has printed and exited.
 
     How the process ends. A gloo process group still alive when Python shuts down can abort the process
     after a run that succeeded ("terminate called without an active exception", SIGABRT): its threads may
@@ -96,11 +100,17 @@ def run(main, skip_python_shutdown=False):
     try:
         record(main, error_handler=_OneLineErrorHandler())()
     except (UsageError, dist.DistNetworkError) as error:
-        if not os.environ.get("TORCHELASTIC_ERROR_FILE") and os.environ.get("LOCAL_RANK", "0") == "0":
+        reported_by_torchrun = bool(os.environ.get("TORCHELASTIC_ERROR_FILE"))
+        first_of_its_machine = os.environ.get("LOCAL_RANK", "0") == "0"
+        if not reported_by_torchrun and first_of_its_machine:
             print(_error_line(error), file=sys.stderr, flush=True)
         status = 2
         if dist.is_available() and dist.is_initialized():
             dist.destroy_process_group()
+        if not reported_by_torchrun and not first_of_its_machine:
+            # DeepSpeed's launcher and `srun --kill-on-bad-exit` stop every process once one fails: leaving
+            # first, this one could get the first process killed before it printed the line.
+            time.sleep(_REPORTER_GRACE_SECONDS)
     except Preempted as preempted:
         distributed = dist.is_available() and dist.is_initialized()  # 06 in one process has no group
         if not distributed or dist.get_rank() == 0:  # also under torchrun: signalled, it prints no failure table
