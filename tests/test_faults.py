@@ -17,13 +17,13 @@ from jobs import MNIST_LR, SYNTHETIC_ARGS, catches, loader_workers, run_job, wit
 from launch import ROOT, python, torchrun
 from outputs import assert_same_weights, check_ok, saved_step, trained_once
 
-# Half an epoch with a checkpoint every 10 steps. The worker is killed once the checkpoint of step
-# KILL_AFTER_STEP exists, with steps to spare before the end: the job has something to resume from
-# and something left to do. The default loader workers; a global batch of 24 (not 256) makes 50 steps take
-# seconds, so that a signal lands in the middle of an epoch.
-FAULT_RUN_STEPS, KILL_AFTER_STEP = 50, 20
+# 30 steps of an epoch of 100, with a checkpoint every 10. The job is signalled once the checkpoint of step
+# KILL_AFTER_STEP exists and stops a step or two later; resumed, its worker is killed at the next checkpoint,
+# with 10 steps to spare: the job has something to resume from and something left to do. The default loader
+# workers; a global batch of 24 (not 256) makes a step take a fraction of a second, so that a signal lands in
+# the middle of an epoch.
+FAULT_RUN_STEPS, KILL_AFTER_STEP = 30, 10
 FAULT_RUN_ARGS = [*with_default_workers(SYNTHETIC_ARGS), "--max-steps", FAULT_RUN_STEPS, "--save-every", 10]
-QUICK_RUN_STEPS = 30
 # torchrun passes these signals on to its workers; SIGUSR1 only when told to (docs/fault-tolerance.md).
 HANDLED_SIGNALS = ["--signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"]
 # The elastic launch of docs/fault-tolerance.md (which says why the variable is needed).
@@ -79,7 +79,8 @@ def preempted_step(result, output_dir, read_step):
     return step
 
 
-def test_a_signal_to_one_workers_process_group_stops_every_rank_at_one_step_and_resumes_exactly(tmp_path):
+def test_a_signal_to_one_workers_process_group_stops_every_rank_at_one_step_and_resumes_exactly(uninterrupted,
+                                                                                             tmp_path):
     """Preemption with the default loader workers, as torchrun delivers a signal to each worker: SIGTERM to rank
     1's process group, that is rank 1 and its 2 loader workers, once they all run. The loader workers ignore it
     (PyTorch's own handler would end them, and rank 1 with them); rank 1's flag reaches rank 0 through the next
@@ -94,9 +95,8 @@ def test_a_signal_to_one_workers_process_group_stops_every_rank_at_one_step_and_
             os.killpg(rank1, signal.SIGTERM)  # torchrun starts each worker in a process group of its own
             signalled.append(rank1)
 
-    # 30 steps (not the full tier's 50): the signal comes as soon as the loader workers run, in the first steps.
-    args = [*FAULT_RUN_ARGS, "--max-steps", QUICK_RUN_STEPS]
-    result = run_job(torchrun(2, script, *args, "--output-dir", tmp_path), poll=sigterm_once_loading, timeout=180)
+    result = run_job(torchrun(2, script, *FAULT_RUN_ARGS, "--output-dir", tmp_path), poll=sigterm_once_loading,
+                     timeout=180)
     assert signalled, "the run ended before rank 1's loader workers were seen"
     assert result.returncode == 1 and len(re.findall(r"exitcode\s*: 75 ", result.stderr)) == 2, result.stderr[-5000:]
     assert "DataLoader worker" not in result.stderr, result.stderr[-5000:]
@@ -105,12 +105,11 @@ def test_a_signal_to_one_workers_process_group_stops_every_rank_at_one_step_and_
                                 result.stderr))
     assert [reason for reason, _ in reasons] == ["SIGTERM", "a signal to another rank"], result.stderr[-5000:]
     step = int(reasons[0][1])
-    assert reasons[1][1] == str(step) and 0 < step < QUICK_RUN_STEPS and saved_step(tmp_path) == step, reasons
+    assert reasons[1][1] == str(step) and 0 < step < FAULT_RUN_STEPS and saved_step(tmp_path) == step, reasons
     assert not (tmp_path / "model.pt").exists()  # a stopped run writes no final outputs
-    resumed = check_ok(run_job(torchrun(2, script, *args, "--resume", "--output-dir", tmp_path)))
+    resumed = check_ok(run_job(torchrun(2, script, *FAULT_RUN_ARGS, "--resume", "--output-dir", tmp_path)))
     assert f"resumed from step {step}" in resumed.stdout
-    check_ok(run_job(torchrun(2, script, *args, "--output-dir", tmp_path / "uninterrupted")))
-    assert_same_weights(tmp_path / "uninterrupted" / "model.pt", tmp_path / "model.pt")
+    assert_same_weights(uninterrupted(script), tmp_path / "model.pt")
 
 
 @pytest.mark.full
