@@ -80,11 +80,10 @@ def main():
         sock.bind(("127.0.0.1", 0))
         args.master_addr, args.master_port = sock.getsockname()
     # Starts `world_size` fresh Python processes and runs spawned(index, args) in each. When one fails, the
-    # others get 10 s to stop by themselves before they are terminated: they found the same bad input, and
-    # the first process, not necessarily the first to exit, prints it.
+    # others are terminated: on bad input the first process prints it and exits first (utils.run).
     processes = mp.spawn(spawned, args=(args,), nprocs=args.world_size, join=False)
     try:
-        while not processes.join(grace_period=10):
+        while not processes.join():
             pass
     except mp.ProcessExitedException as error:  # the process printed why
         sys.exit(error.exit_code)

@@ -9,6 +9,7 @@ from multiprocessing import resource_tracker
 import torch
 import torch.distributed as dist
 
+from common import utils
 from common.utils import UsageError
 
 
@@ -101,6 +102,7 @@ class Preemption:
 
     def _handle(self, number, frame=None):
         self.signal = self.signal or signal.Signals(number).name
+        utils.STOP_REQUESTED.set()
 
     @staticmethod
     def _wait():

@@ -13,6 +13,7 @@ import random
 import shutil
 import sys
 import tempfile
+import threading
 import time
 import traceback
 
@@ -25,7 +26,9 @@ class UsageError(Exception):
     """Bad input: reported as one `error:` line, then exit status 2."""
 
 
-_REPORTER_GRACE_SECONDS = 10  # a launcher that stops the others when the first process fails ends this sooner
+BAD_INPUT_WAIT_SECONDS = 10  # how long a process that does not print the error line waits for the one that does
+# Set once this process is asked to stop: SIGTERM or SIGUSR1, caught by common.distributed.Preemption.
+STOP_REQUESTED = threading.Event()
 
 PREEMPTED_EXIT_STATUS = 75  # sysexits.h's EX_TEMPFAIL: stopped before the end, to be continued
 
@@ -73,8 +76,9 @@ def run(main, skip_python_shutdown=False):
     waiting in a collective. torchrun (and `accelerate launch`, which runs it) collects every worker's
     error through `record` and names the first in its failure table, so under torchrun the workers
     print nothing. Without torchrun, the first process of each machine prints the line, and the others
-    wait up to 10 seconds before they exit: a launcher that stops every process once one has failed
-    (DeepSpeed's, `srun --kill-on-bad-exit`) stops them as soon as the first has printed and exited.
+    exit with the same status once asked to stop (SIGTERM), or after 10 seconds: a launcher that stops every
+    process once one has failed (DeepSpeed's, `srun --kill-on-bad-exit`, `mp.spawn`) stops them as soon as
+    the first has printed and exited, and reports the first's status.
 
     How the process ends. A gloo process group still alive when Python shuts down can abort the process
     after a run that succeeded ("terminate called without an active exception", SIGABRT): its threads may
@@ -108,9 +112,10 @@ def run(main, skip_python_shutdown=False):
         if dist.is_available() and dist.is_initialized():
             dist.destroy_process_group()
         if not reported_by_torchrun and not first_of_its_machine:
-            # DeepSpeed's launcher and `srun --kill-on-bad-exit` stop every process once one fails: leaving
-            # first, this one could get the first process killed before it printed the line.
-            time.sleep(_REPORTER_GRACE_SECONDS)
+            # DeepSpeed's launcher, `srun --kill-on-bad-exit` and mp.spawn stop every process once one fails:
+            # leaving first, this one could get the first killed before it printed the line. Their SIGTERM
+            # ends the wait (Preemption blocks its default action, the end of the process).
+            STOP_REQUESTED.wait(BAD_INPUT_WAIT_SECONDS)
     except Preempted as preempted:
         distributed = dist.is_available() and dist.is_initialized()  # 06 in one process has no group
         if not distributed or dist.get_rank() == 0:  # also under torchrun: signalled, it prints no failure table
@@ -122,8 +127,6 @@ def run(main, skip_python_shutdown=False):
             dist.barrier()
             dist.destroy_process_group()
     except SystemExit as request:  # sys.exit() inside main(): its status
-        if not skip_python_shutdown:
-            raise
         if request.code is not None and not isinstance(request.code, int):
             print(request.code, file=sys.stderr)  # sys.exit("message"), as Python would print it
         status = request.code if isinstance(request.code, int) else int(request.code is not None)

@@ -1,6 +1,9 @@
 """The shared pipeline: deterministic data, world-size-independent order, atomic writes."""
 
 import itertools
+import os
+import signal
+import subprocess
 import threading
 import time
 
@@ -400,3 +403,44 @@ def test_forked_or_spawned_loader_workers_never_act_on_the_stop_signals(start_me
     assert result.returncode == 0 and result.stdout.split("\n")[:2] == ["[[1, 1], [1, 1]]"] * 2, result.stderr
     failed = run_job(python(script, start_method, "fail"), env=env, timeout=60)
     assert failed.returncode == 1 and "ValueError: a broken sample" in failed.stderr, failed.stderr[-3000:]
+
+
+# A process that is not the first of its machine finds bad input, without torchrun: it prints nothing and waits
+# for the first to print, until a launcher's SIGTERM (here the test's) asks it to stop.
+BAD_INPUT_ON_LOCAL_RANK_1 = """
+from common import distributed, utils
+
+
+def main():
+    distributed.Preemption()
+    print("stop signals blocked", flush=True)
+    raise utils.UsageError("a bad --batch-size")
+
+
+if __name__ == "__main__":
+    utils.run(main, skip_python_shutdown=True)
+"""
+
+
+@pytest.mark.parametrize("signalled", [pytest.param(False, marks=pytest.mark.full), True])
+def test_bad_input_on_another_rank_waits_for_the_first_or_a_stop_signal(signalled, tmp_path):
+    """DeepSpeed's launcher and `srun --kill-on-bad-exit` stop every process once one has failed: the ranks that
+    do not print the `error:` line wait (10 s) so that the first has printed it when they are stopped, and end
+    with its status at once on the launcher's SIGTERM, which Preemption keeps from ending them."""
+    script = tmp_path / "bad_input.py"
+    script.write_text(BAD_INPUT_ON_LOCAL_RANK_1)
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "LOCAL_RANK": "1", "RANK": "1", "WORLD_SIZE": "2"}
+    env.pop("TORCHELASTIC_ERROR_FILE", None)
+    process = subprocess.Popen(python(script), env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert process.stdout.readline() == "stop signals blocked\n"
+        started = time.monotonic()
+        if signalled:
+            process.send_signal(signal.SIGTERM)
+        stdout, stderr = process.communicate(timeout=60)
+    finally:
+        process.kill()
+    elapsed = time.monotonic() - started
+    assert process.returncode == 2 and "error:" not in stdout + stderr, stderr[-3000:]
+    # The wait is 10 s, and the signal ends it when it arrives.
+    assert (elapsed < utils.BAD_INPUT_WAIT_SECONDS / 2) if signalled else (elapsed > utils.BAD_INPUT_WAIT_SECONDS - 1)

@@ -22,8 +22,8 @@ from outputs import assert_same_weights, check_ok, saved_step, trained_once
 # with 10 steps to spare: the job has something to resume from and something left to do. The default loader
 # workers; a global batch of 24 (not 256) makes a step take a fraction of a second, so that a signal lands in
 # the middle of an epoch.
-FAULT_RUN_STEPS, KILL_AFTER_STEP = 30, 10
-FAULT_RUN_ARGS = [*with_default_workers(SYNTHETIC_ARGS), "--max-steps", FAULT_RUN_STEPS, "--save-every", 10]
+FAULT_RUN_STEPS, KILL_AFTER_STEP, SAVE_EVERY = 30, 10, 10
+FAULT_RUN_ARGS = [*with_default_workers(SYNTHETIC_ARGS), "--max-steps", FAULT_RUN_STEPS, "--save-every", SAVE_EVERY]
 # torchrun passes these signals on to its workers; SIGUSR1 only when told to (docs/fault-tolerance.md).
 HANDLED_SIGNALS = ["--signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"]
 # The elastic launch of docs/fault-tolerance.md (which says why the variable is needed).
@@ -75,7 +75,9 @@ def preempted_step(result, output_dir, read_step):
     lines = [line for line in result.stderr.splitlines() if line.startswith("preempted: ")]
     assert len(lines) == 1, result.stderr[-5000:]
     step = int(re.search(r"stopped after step (\d+) ", lines[0]).group(1))
-    assert KILL_AFTER_STEP <= step < FAULT_RUN_STEPS and read_step(output_dir) == step, (lines, read_step(output_dir))
+    assert KILL_AFTER_STEP <= step and read_step(output_dir) == step, (lines, read_step(output_dir))
+    # The resumed run's worker is killed at the next checkpoint, which must come before the end of the run.
+    assert step < FAULT_RUN_STEPS - SAVE_EVERY, f"the signal came too late (step {step}) to kill a worker after it"
     return step
 
 
@@ -121,7 +123,7 @@ def test_preempted_then_killed_job_resumes_each_time_to_the_uninterrupted_weight
 
     1. Preemption, as a scheduler does it: SIGTERM or SIGUSR1 (the steps in turn: the handler and the loader
        workers' are common/'s, the save at the agreed step is each step's own) to torchrun once the checkpoint of
-       step 20 exists. torchrun passes it to every worker's process group, loader workers included, and gives
+       step 10 exists. torchrun passes it to every worker's process group, loader workers included, and gives
        them 30 s (--shutdown-timeout) before SIGKILL; the workers agree on a step, save there and exit 75;
        torchrun, signalled, exits 1.
     2. A dead worker: the same command with --resume, under torchrun --max-restarts=1. Once a checkpoint later
