@@ -114,8 +114,11 @@ def run(main, skip_python_shutdown=False):
         if not reported_by_torchrun and not first_of_its_machine:
             # DeepSpeed's launcher, `srun --kill-on-bad-exit` and mp.spawn stop every process once one fails:
             # leaving first, this one could get the first killed before it printed the line. Their SIGTERM
-            # ends the wait (Preemption blocks its default action, the end of the process).
-            STOP_REQUESTED.wait(BAD_INPUT_WAIT_SECONDS)
+            # ends the wait (Preemption blocks its default action, the end of the process). In slices: a signal
+            # that a thread started before Preemption's block takes is handled in this thread, between them.
+            deadline = time.monotonic() + BAD_INPUT_WAIT_SECONDS
+            while not STOP_REQUESTED.wait(0.1) and time.monotonic() < deadline:
+                pass
     except Preempted as preempted:
         distributed = dist.is_available() and dist.is_initialized()  # 06 in one process has no group
         if not distributed or dist.get_rank() == 0:  # also under torchrun: signalled, it prints no failure table
