@@ -6,14 +6,40 @@ import sys
 from pathlib import Path
 
 import pytest
+from xdist.scheduler import LoadScopeScheduling
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
 from jobs import SMOKE_ARGS, run_job  # noqa: E402
-from launch import torchrun  # noqa: E402
+from launch import ON_GPU, torchrun  # noqa: E402
 from outputs import check_ok  # noqa: E402
 
 PROXY_VARIABLES = ("http_proxy", "https_proxy", "all_proxy", "HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY")
+# Modules whose tests share what a module-scoped fixture ran or started (runs, a Slurm cluster, network
+# namespaces): their tests go to one worker, which runs it once.
+SHARED_FIXTURES = {"test_ddp_from_scratch", "test_deepspeed", "test_faults", "test_memory", "test_multinode",
+                   "test_parity", "test_pipeline", "test_recipe", "test_slurm", "test_templates"}
+
+
+def pytest_xdist_auto_num_workers(config):
+    """`-n auto` (pyproject.toml): two workers, each running one test's job at a time. On 2 cores most of a job
+    is Python starting on one core (torchrun imports torch before its workers do): a second job fills the
+    other. A GPU machine runs one job at a time, since each takes every GPU."""
+    return 1 if ON_GPU else 2
+
+
+class SharedFixtureScheduling(LoadScopeScheduling):
+    """pytest-xdist's `--dist load` (each test to the next free worker), except that the tests of a module of
+    SHARED_FIXTURES go to one worker together. (Its `--dist loadgroup` would do it, but pytest 9 no longer
+    reads the node ids it marks.)"""
+
+    def _split_scope(self, nodeid):
+        module = nodeid.split("::", 1)[0]
+        return module if Path(module).stem in SHARED_FIXTURES else nodeid
+
+
+def pytest_xdist_make_scheduler(config, log):
+    return SharedFixtureScheduling(config, log)
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -8,7 +8,6 @@ so does a case without a row.
 
 import re
 import socket
-from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
@@ -120,27 +119,6 @@ def test_the_table_and_the_cases_match(tmp_path, busy_port):
     assert sorted(ROWS) == sorted(cases(tmp_path, busy_port))
 
 
-@pytest.fixture(scope="module")
-def bad_input_runs(request, tmp_path_factory, busy_port):
-    """run(bad input): (its job's result, its temporary directory, {text of this run: its placeholder}). The
-    jobs of every row that this session selected start at the first call, two at a time: each is mostly a
-    Python process starting on one core, and the rows are independent (a directory of their own each)."""
-    selected = [item.callspec.params["bad_input"] for item in request.session.items
-                if getattr(item, "originalname", None) == "test_bad_input_gets_the_tables_message"]
-    runs = {}
-    with ThreadPoolExecutor(max_workers=2) as pool:
-        def run(bad_input):
-            if not runs:
-                for row in selected:
-                    tmp = tmp_path_factory.mktemp("bad_input")
-                    command, env, placeholders = cases(tmp, busy_port)[row]
-                    runs[row] = pool.submit(run_job, command, timeout=120, env=env), tmp, placeholders
-            future, tmp, placeholders = runs[bad_input]
-            return future.result(), tmp, placeholders
-
-        yield run
-
-
 # The full tier holds the rows whose job alone takes 20 s or more on a 2-core CPU: 6 processes, and the deepspeed
 # launcher's wait for a port that never frees.
 FULL_TIER_ROWS = {"more `--stages` than ResNet-9's 5 blocks (08)", "the rendezvous port in use (deepspeed)"}
@@ -148,10 +126,11 @@ FULL_TIER_ROWS = {"more `--stages` than ResNet-9's 5 blocks (08)", "the rendezvo
 
 @pytest.mark.parametrize("bad_input", [pytest.param(row, marks=[pytest.mark.full] if row in FULL_TIER_ROWS else [])
                                        for row in sorted(ROWS)])
-def test_bad_input_gets_the_tables_message(bad_input, bad_input_runs):
+def test_bad_input_gets_the_tables_message(bad_input, busy_port, tmp_path):
     if bad_input.startswith("`--amp fp16` without a GPU") and ON_GPU:
         pytest.skip("a GPU machine accepts --amp fp16")
-    result, tmp_path, placeholders = bad_input_runs(bad_input)
+    command, env, placeholders = cases(tmp_path, busy_port)[bad_input]
+    result = run_job(command, timeout=120, env=env)
     if bad_input == "the rendezvous port in use (torchrun)":
         assert result.returncode != 0 and not printed_errors(result)
         line = result.stderr.strip().splitlines()[-1]
@@ -198,9 +177,8 @@ DIVERGED_RUNS = [
 ]
 
 
-# The quick tier stops 04's diverged run (the check is common/'s, called alike in every step); the full tier each.
-@pytest.mark.parametrize("step, launch", [pytest.param(*case, marks=[] if case[0] == "04" else [pytest.mark.full])
-                                          for case in DIVERGED_RUNS])
+@pytest.mark.full
+@pytest.mark.parametrize("step, launch", DIVERGED_RUNS)
 def test_a_diverged_run_is_an_error(step, launch, tmp_path):
     """A learning rate far too high: the loss is no longer a number by the first check (step 10). The run
     stops there on every rank with one line, exits non-zero, and writes neither a checkpoint of NaN weights

@@ -35,14 +35,17 @@ def latest_step(output_dir):
     return int((output_dir / "checkpoints" / "latest").read_text().removeprefix("step"))
 
 
-# Each step's extra arguments, and how to read the step of its last complete checkpoint.
+# Each step's extra arguments, and how to read the step of its last complete checkpoint. Half the default widths:
+# a quarter of the arithmetic of each of the 4 runs of a fault job (what happens to a signal does not depend on
+# it), and steps still slow enough that the job stops well before its end.
+HALF_WIDTH = {"resnet9": ["--width", 16], "vit": ["--width", 64]}
 STEPS = {
-    "04_cifar10_ddp.py": ([], saved_step),
-    "05_cifar10_deepspeed.py": ([], latest_step),
+    "04_cifar10_ddp.py": (HALF_WIDTH["resnet9"], saved_step),
+    "05_cifar10_deepspeed.py": (HALF_WIDTH["resnet9"], latest_step),
     "06_mnist_accelerate.py": (MNIST_LR, saved_step),
-    "07_cifar10_fsdp.py": ([], latest_step),
-    "08_cifar10_pipeline.py": ([], latest_step),
-    "09_cifar10_tensor_parallel.py": ([], latest_step),
+    "07_cifar10_fsdp.py": (HALF_WIDTH["resnet9"], latest_step),
+    "08_cifar10_pipeline.py": (HALF_WIDTH["resnet9"], latest_step),
+    "09_cifar10_tensor_parallel.py": (HALF_WIDTH["vit"], latest_step),
 }
 
 
@@ -97,7 +100,8 @@ def test_a_signal_to_one_workers_process_group_stops_every_rank_at_one_step_and_
             os.killpg(rank1, signal.SIGTERM)  # torchrun starts each worker in a process group of its own
             signalled.append(rank1)
 
-    result = run_job(torchrun(2, script, *FAULT_RUN_ARGS, "--output-dir", tmp_path), poll=sigterm_once_loading,
+    fault_run_args = [*FAULT_RUN_ARGS, *STEPS[script][0]]
+    result = run_job(torchrun(2, script, *fault_run_args, "--output-dir", tmp_path), poll=sigterm_once_loading,
                      timeout=180)
     assert signalled, "the run ended before rank 1's loader workers were seen"
     assert result.returncode == 1 and len(re.findall(r"exitcode\s*: 75 ", result.stderr)) == 2, result.stderr[-5000:]
@@ -109,7 +113,7 @@ def test_a_signal_to_one_workers_process_group_stops_every_rank_at_one_step_and_
     step = int(reasons[0][1])
     assert reasons[1][1] == str(step) and 0 < step < FAULT_RUN_STEPS and saved_step(tmp_path) == step, reasons
     assert not (tmp_path / "model.pt").exists()  # a stopped run writes no final outputs
-    resumed = check_ok(run_job(torchrun(2, script, *FAULT_RUN_ARGS, "--resume", "--output-dir", tmp_path)))
+    resumed = check_ok(run_job(torchrun(2, script, *fault_run_args, "--resume", "--output-dir", tmp_path)))
     assert f"resumed from step {step}" in resumed.stdout
     assert_same_weights(uninterrupted(script), tmp_path / "model.pt")
 
@@ -221,7 +225,8 @@ utils.save_atomic(checkpoint, sys.argv[1])
 def test_crash_while_writing_a_checkpoint_leaves_the_previous_one_resumable(uninterrupted, tmp_path):
     script = "04_cifar10_ddp.py"
     stop = ["--max-steps", KILL_AFTER_STEP]
-    check_ok(run_job(torchrun(2, script, *SYNTHETIC_ARGS, *stop, "--save-every", 10, "--output-dir", tmp_path)))
+    check_ok(run_job(torchrun(2, script, *SYNTHETIC_ARGS, *STEPS[script][0], *stop, "--save-every", 10,
+                              "--output-dir", tmp_path)))
     checkpoint = tmp_path / "checkpoint.pt"
     good = checkpoint.read_bytes()
     crashed = run_job(python("-c", CRASH_WHILE_SAVING, checkpoint))
@@ -230,7 +235,8 @@ def test_crash_while_writing_a_checkpoint_leaves_the_previous_one_resumable(unin
     [partial] = tmp_path.glob(".checkpoint.pt.*.tmp")
     assert 0 < partial.stat().st_size < len(good)
     assert checkpoint.read_bytes() == good
-    resumed = check_ok(run_job(torchrun(2, script, *FAULT_RUN_ARGS, "--resume", "--output-dir", tmp_path)))
+    resumed = check_ok(run_job(torchrun(2, script, *FAULT_RUN_ARGS, *STEPS[script][0], "--resume",
+                                        "--output-dir", tmp_path)))
     assert f"resumed from step {KILL_AFTER_STEP}" in resumed.stdout
     assert_same_weights(uninterrupted(script), tmp_path / "model.pt")
 

@@ -6,15 +6,15 @@ from data_dirs import tiny_cifar10
 from jobs import run_job
 from launch import python, torchrun
 from outputs import check_ok, load_state, read_metrics
-from resume import END_STEP, check_exact_resume
+from resume import END_STEP, SMALL_RESNET9, check_exact_resume
 
 pytestmark = pytest.mark.full  # the full tier: the quick tier resumes once per checkpoint format (docs/testing.md)
 
 LAUNCH = {
-    "01": lambda *args: python("01_cifar10_cpu.py", *args),
-    "02": lambda *args: python("02_cifar10_gpu.py", *args),
-    "03": lambda *args: python("03_cifar10_dataparallel.py", *args),
-    "04": lambda *args: torchrun(2, "04_cifar10_ddp.py", *args),
+    "01": lambda *args: python("01_cifar10_cpu.py", *args, *SMALL_RESNET9),
+    "02": lambda *args: python("02_cifar10_gpu.py", *args, *SMALL_RESNET9),
+    "03": lambda *args: python("03_cifar10_dataparallel.py", *args, *SMALL_RESNET9),
+    "04": lambda *args: torchrun(2, "04_cifar10_ddp.py", *args, *SMALL_RESNET9),
 }
 
 

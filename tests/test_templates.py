@@ -5,7 +5,6 @@ uninterrupted run's weights; each stays
 self-contained and makes only the distributed calls that its step of the tour teaches."""
 
 import ast
-import functools
 import math
 import os
 import signal
@@ -13,7 +12,7 @@ import signal
 import pytest
 import torch
 from jobs import catches, run_job, workers
-from launch import ON_GPU, ROOT, python, torchrun
+from launch import ROOT, torchrun
 from outputs import assert_same_weights, check_ok, check_one_error, read_metrics
 
 # Each template and the step that teaches its calls.
@@ -24,16 +23,8 @@ TEST_SAMPLES = 1001  # the stand-in test set: 2 and 3 processes get slices of un
 TIMEOUT = 180
 
 
-@functools.cache
-def deepspeed_op():
-    """DeepSpeed compiles its CPU communication op on first use (1-2 minutes): once, outside a run's timeout."""
-    check_ok(run_job(python("-c", "from deepspeed.comm.torch import build_shm_op; build_shm_op()"), timeout=600))
-
-
 def run_template(name, nproc, epochs, output_dir):
     """`torchrun --standalone --nproc_per_node=NPROC templates/train_NAME.py`, as a user runs it, under a timeout."""
-    if name == "deepspeed" and not ON_GPU:
-        deepspeed_op()
     command = torchrun(nproc, f"templates/train_{name}.py", "--epochs", epochs, "--output-dir", output_dir)
     return check_ok(run_job(command, timeout=TIMEOUT))
 
