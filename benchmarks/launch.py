@@ -3,9 +3,11 @@ launchers, and the environment they run in. The tests import it too (tests/conft
 
 import os
 import runpy
+import signal
 import socket
 import sys
 import time
+import traceback
 from pathlib import Path
 
 import torch
@@ -84,6 +86,55 @@ def python(script, *args):
     return [sys.executable, str(script), *map(str, args)]
 
 
+def forked(nproc, script, *args):
+    """The command line of a job of `nproc` processes on this machine, as torchrun starts them (the same
+    variables: RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR...; one thread each) but forked from one Python
+    that has imported torch. torchrun and each of its workers import torch, most of a short run's time on
+    a CPU: the tests whose claims are about what a run computes (parity, resume) launch this way; the tests
+    of what a launcher does (the README's commands, signals, restarts, errors) launch with the launcher."""
+    return [sys.executable, __file__, str(nproc), str(script), *map(str, args)]
+
+
+def _run_forked(nproc, argv):
+    """`forked`'s job: fork the ranks, wait for them; the first that fails (non-zero status, or killed by a
+    signal) ends the others with SIGKILL and gives the job its status."""
+    shared = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": str(nproc),
+              "LOCAL_WORLD_SIZE": str(nproc)}
+    if nproc > 1 and "OMP_NUM_THREADS" not in os.environ:
+        shared["OMP_NUM_THREADS"] = "1"  # torchrun's default for several workers
+    ranks = {}
+    for rank in range(nproc):
+        pid = os.fork()
+        if pid == 0:
+            os.environ.update(shared, RANK=str(rank), LOCAL_RANK=str(rank))
+            torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", torch.get_num_threads())))
+            status = 1
+            try:
+                run_step_here(argv)
+                status = 0
+            except SystemExit as exit:
+                status = exit.code if isinstance(exit.code, int) else 0 if exit.code is None else 1
+                if isinstance(exit.code, str):
+                    print(exit.code, file=sys.stderr)
+            except BaseException:
+                traceback.print_exc()
+            finally:
+                sys.stdout.flush()
+                sys.stderr.flush()
+                os._exit(status)
+        ranks[pid] = rank
+    status = 0
+    while ranks:
+        pid, wait_status = os.wait()
+        del ranks[pid]
+        code = os.waitstatus_to_exitcode(wait_status)
+        if code and not status:
+            status = code if code > 0 else 128 - code
+            for other in ranks:
+                os.kill(other, signal.SIGKILL)
+    sys.exit(status)
+
+
 def torchrun(nproc, script, *args, options=()):
     """torchrun's command line; `options` are more of torchrun's own (for example --max-restarts=1).
     --standalone: a private rendezvous on a free port, so that concurrent jobs cannot collide."""
@@ -146,7 +197,7 @@ def accelerate_launch(nproc, script, *args, config_precision=ON_GPU):
 
 
 LAUNCHERS = {"python": lambda nproc, script, *args: python(script, *args), "torchrun": torchrun,
-             "deepspeed": deepspeed, "accelerate": accelerate_launch}
+             "deepspeed": deepspeed, "accelerate": accelerate_launch, "forked": forked}
 
 
 def run_step_here(argv):
@@ -155,3 +206,7 @@ def run_step_here(argv):
     sys.argv = argv
     sys.path[0] = os.path.dirname(os.path.abspath(argv[0]))  # the step imports common/ from beside it
     runpy.run_path(argv[0], run_name="__main__")
+
+
+if __name__ == "__main__":  # forked(): python benchmarks/launch.py NPROC SCRIPT ARGS
+    _run_forked(int(sys.argv[1]), sys.argv[2:])

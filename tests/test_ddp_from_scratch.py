@@ -10,7 +10,7 @@ import parity
 import pytest
 from data_dirs import tiny_cifar10
 from jobs import SHORT_RUN_ARGS
-from launch import torchrun
+from launch import forked
 from outputs import METRIC_KEYS, assert_same_weights, read_metrics, trained_once
 
 from common import models
@@ -32,7 +32,7 @@ def trained(tmp_path_factory):
         in_float64 = ["benchmarks/float64.py"] if norm == "group" else []
         # 1 MiB buckets: several per backward pass (ResNet-9's float64 gradients are 12.6 MiB), so that the
         # order in which they are launched and awaited matters.
-        return torchrun(nproc, *in_float64, SCRIPT, "--data-dir", data_dir, *SHORT_RUN_ARGS,
+        return forked(nproc, *in_float64, SCRIPT, "--data-dir", data_dir, *SHORT_RUN_ARGS,
                         "--norm", norm, "--bucket-cap-mb", 1, "--ddp", ddp,
                         "--gradient-accumulation-steps", accumulation, "--output-dir", output_dir)
 

@@ -14,7 +14,7 @@ import pytest
 import torch
 from data_dirs import tiny_cifar10
 from jobs import SHORT_RUN_ARGS, SMOKE_ARGS, SYNTHETIC_ARGS, run_job, sized_for
-from launch import LAUNCHERS, ON_GPU, torchrun
+from launch import LAUNCHERS, ON_GPU, forked, torchrun
 from outputs import assert_same_weights, check_ok, check_one_error, check_smoke_run, load_state, read_metrics
 from resume import END_STEP, SMALL_RESNET9, check_exact_resume
 
@@ -71,7 +71,7 @@ def test_resume_with_zero3_matches_uninterrupted_run(tmp_path):
     the weights and the optimizer state, and `latest` names the newest complete checkpoint. With 2
     micro-batches per step, the resumed run skips twice as many micro-batches as steps."""
     stopped, _ = check_exact_resume(
-        lambda *args: torchrun(2, SCRIPT, *args, *SMALL_RESNET9, "--zero-stage", 3, "--gradient_accumulation_steps", 2),
+        lambda *args: forked(2, SCRIPT, *args, *SMALL_RESNET9, "--zero-stage", 3, "--gradient_accumulation_steps", 2),
         tmp_path)
     assert read_metrics(stopped)["zero_stage"] == 3  # the engine's own stage: --zero-stage overrides the config's 2
     checkpoints = stopped / "checkpoints"
@@ -153,7 +153,7 @@ def without_accumulation(tmp_path_factory, accumulation_data):
     """model.pt of one micro-batch of 12 per process and step (ZeRO-2, the config's; ZeRO-1 ends with the
     same weights, bit for bit)."""
     output_dir = tmp_path_factory.mktemp("without_accumulation")
-    check_ok(run_job(torchrun(2, *accumulation_args(accumulation_data, 2), "--output-dir", output_dir)))
+    check_ok(run_job(forked(2, *accumulation_args(accumulation_data, 2), "--output-dir", output_dir)))
     return output_dir / "model.pt"
 
 
@@ -164,7 +164,7 @@ def test_gradient_accumulation(zero_stage, accumulation_data, request, tmp_path)
     the 2 processes, and (ZeRO-1 and 2, in float64) ends with the weights of one micro-batch of 12. Every
     collective is recorded (tests/collectives.py): each micro-batch communicates as its stage does."""
     output_dir = tmp_path / "out"
-    check_ok(run_job(torchrun(2, "tests/collectives.py", *accumulation_args(accumulation_data, zero_stage),
+    check_ok(run_job(forked(2, "tests/collectives.py", *accumulation_args(accumulation_data, zero_stage),
                               "--gradient_accumulation_steps", ACCUMULATION, "--output-dir", output_dir),
                      env={"COLLECTIVES_DIR": str(tmp_path)}))
     metrics = read_metrics(output_dir)

@@ -7,7 +7,7 @@ import re
 
 import pytest
 from jobs import SMOKE_ARGS, SYNTHETIC_ARGS, run_job, sized_for
-from launch import ON_GPU, python, torchrun
+from launch import ON_GPU, forked, python, torchrun
 from outputs import assert_same_weights, check_ok, check_one_error, check_smoke_run
 from resume import END_STEP, SMALL_RESNET9, check_exact_resume
 
@@ -31,7 +31,7 @@ def test_fsdp_step(nproc, amp, request, tmp_path):
 def test_resume_mid_epoch_matches_uninterrupted_run(tmp_path):
     """Every rank saves and reloads its own shard of the weights and the optimizer state; `latest` names
     the newest complete checkpoint, and the older ones are removed."""
-    stopped, _ = check_exact_resume(lambda *args: torchrun(2, SCRIPT, *args, *SMALL_RESNET9), tmp_path)
+    stopped, _ = check_exact_resume(lambda *args: forked(2, SCRIPT, *args, *SMALL_RESNET9), tmp_path)
     checkpoints = stopped / "checkpoints"
     assert (checkpoints / "latest").read_text() == f"step{END_STEP}"
     assert sorted(path.name for path in checkpoints.iterdir()) == ["latest", f"step{END_STEP}"]

@@ -7,7 +7,7 @@ import json
 
 import pytest
 from jobs import SMOKE_ARGS, run_job
-from launch import python, torchrun
+from launch import forked, python, torchrun
 from outputs import check_ok, check_smoke_run, read_metrics
 from resume import END_STEP, SMALL_RESNET9, check_exact_resume
 
@@ -31,7 +31,7 @@ def test_pipeline_step(nproc, args, stages, tmp_path):
 def test_resume_mid_epoch_matches_uninterrupted_run(tmp_path):
     """2 stages x 2 replicas: each stage writes its part of the weights and optimizer state once (the two
     replicas hold it alike), each rank reads back its own; `latest` names the newest complete checkpoint."""
-    stopped, _ = check_exact_resume(lambda *args: torchrun(4, SCRIPT, *args, *SMALL_RESNET9, "--stages", 2),
+    stopped, _ = check_exact_resume(lambda *args: forked(4, SCRIPT, *args, *SMALL_RESNET9, "--stages", 2),
                                     tmp_path)
     checkpoints = stopped / "checkpoints"
     assert (checkpoints / "latest").read_text() == f"step{END_STEP}"

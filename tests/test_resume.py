@@ -4,7 +4,7 @@ import parity
 import pytest
 from data_dirs import tiny_cifar10
 from jobs import run_job
-from launch import python, torchrun
+from launch import forked, python
 from outputs import check_ok, load_state, read_metrics
 from resume import END_STEP, SMALL_RESNET9, check_exact_resume
 
@@ -14,7 +14,7 @@ LAUNCH = {
     "01": lambda *args: python("01_cifar10_cpu.py", *args, *SMALL_RESNET9),
     "02": lambda *args: python("02_cifar10_gpu.py", *args, *SMALL_RESNET9),
     "03": lambda *args: python("03_cifar10_dataparallel.py", *args, *SMALL_RESNET9),
-    "04": lambda *args: torchrun(2, "04_cifar10_ddp.py", *args, *SMALL_RESNET9),
+    "04": lambda *args: forked(2, "04_cifar10_ddp.py", *args, *SMALL_RESNET9),
 }
 
 
@@ -26,8 +26,8 @@ def test_resume_mid_epoch_matches_uninterrupted_run(step, tmp_path):
 FP16 = ["--amp", "fp16", "--width", "8"]  # fp16 is emulated on most CPUs: a small net keeps it quick
 FP16_LAUNCH = {
     "02": (lambda *args: python("02_cifar10_gpu.py", *args, *FP16), "checkpoint.pt"),
-    "04": (lambda *args: torchrun(2, "04_cifar10_ddp.py", *args, *FP16), "checkpoint.pt"),
-    "07": (lambda *args: torchrun(2, "07_cifar10_fsdp.py", *args, *FP16), f"checkpoints/step{END_STEP}/train_state.pt"),
+    "04": (lambda *args: forked(2, "04_cifar10_ddp.py", *args, *FP16), "checkpoint.pt"),
+    "07": (lambda *args: forked(2, "07_cifar10_fsdp.py", *args, *FP16), f"checkpoints/step{END_STEP}/train_state.pt"),
 }
 
 
@@ -53,9 +53,9 @@ def test_resume_with_another_world_size_continues_the_same_run(script, tmp_path)
     args = ["benchmarks/float64.py", script, "--data-dir", data_dir, "--num-workers", 0,
             "--batch-size", 12, "--lr", 0.1, "--epochs", 2, "--norm", "group"]
     straight, stopped = tmp_path / "straight", tmp_path / "stopped"
-    check_ok(run_job(torchrun(2, *args, "--output-dir", straight)))
-    check_ok(run_job(torchrun(2, *args, "--max-steps", 5, "--save-every", 5, "--output-dir", stopped)))
-    resumed = check_ok(run_job(torchrun(3, *args, "--resume", "--output-dir", stopped)))
+    check_ok(run_job(forked(2, *args, "--output-dir", straight)))
+    check_ok(run_job(forked(2, *args, "--max-steps", 5, "--save-every", 5, "--output-dir", stopped)))
+    resumed = check_ok(run_job(forked(3, *args, "--resume", "--output-dir", stopped)))
     assert "resumed from step 5" in resumed.stdout
     assert read_metrics(stopped)["steps"] == 16
     difference = parity.max_relative_difference(stopped / "model.pt", straight / "model.pt")

@@ -5,7 +5,7 @@ tests/test_parity.py, a killed worker in tests/test_faults.py, bad input in test
 
 import pytest
 from jobs import SYNTHETIC_ARGS, run_job
-from launch import torchrun
+from launch import forked, torchrun
 from outputs import check_ok, check_outputs, check_smoke_run, read_metrics
 from resume import END_STEP, SMALL_VIT, check_exact_resume
 
@@ -37,7 +37,7 @@ def test_tensor_parallel_step(nproc, tmp_path):
 def test_resume_mid_epoch_matches_uninterrupted_run(tmp_path):
     """tp 2 x dp 2, with dropout: each rank writes its shards of the weights and optimizer state, the masks
     come from (seed, step, rank), so the resumed run drops what the uninterrupted run dropped."""
-    stopped, _ = check_exact_resume(lambda *args: torchrun(4, SCRIPT, *args, *SMALL_VIT), tmp_path)
+    stopped, _ = check_exact_resume(lambda *args: forked(4, SCRIPT, *args, *SMALL_VIT), tmp_path)
     checkpoints = stopped / "checkpoints"
     assert (checkpoints / "latest").read_text() == f"step{END_STEP}"
     assert sorted(path.name for path in checkpoints.iterdir()) == ["latest", f"step{END_STEP}"]
