@@ -11,7 +11,8 @@ pip=(.venv/bin/python -m pip install --quiet --disable-pip-version-check)
 "${pip[@]}" --no-build-isolation -r requirements-deepspeed.txt  # builds against the torch installed above
 # DeepSpeed compiles its CPU communication op at its first run on a machine without a GPU (about 40 s on 2
 # cores, cached in ~/.cache/torch_extensions): once here, not in the middle of a first run. On GPUs: nothing.
-.venv/bin/python -c "from deepspeed.comm.torch import build_shm_op; build_shm_op()" >/dev/null
+# With the environment's ninja, as in an activated environment: another ninja would build it again.
+PATH="$PWD/.venv/bin:$PATH" .venv/bin/python -c "from deepspeed.comm.torch import build_shm_op; build_shm_op()" >/dev/null
 if [ "${1:-}" = "--dev" ]; then
     "${pip[@]}" -r requirements-dev.txt
 fi
