@@ -9,10 +9,11 @@ python=${PYTHON:-python3}
 pip=(.venv/bin/python -m pip install --quiet --disable-pip-version-check)
 "${pip[@]}" -r requirements.txt
 "${pip[@]}" --no-build-isolation -r requirements-deepspeed.txt  # builds against the torch installed above
-# DeepSpeed compiles its CPU communication op at its first run on a machine without a GPU (about 40 s on 2
+# DeepSpeed compiles its CPU communication op at its first run on a machine without a GPU (about 45 s on 2
 # cores, cached in ~/.cache/torch_extensions): once here, not in the middle of a first run. On GPUs: nothing.
 # With the environment's ninja, as in an activated environment: another ninja would build it again.
-PATH="$PWD/.venv/bin:$PATH" .venv/bin/python -c "from deepspeed.comm.torch import build_shm_op; build_shm_op()" >/dev/null
+PATH="$PWD/.venv/bin:$PATH" .venv/bin/python -c "from deepspeed.comm.torch import build_shm_op; build_shm_op()" >/dev/null ||
+    echo "warning: DeepSpeed's CPU op did not compile (a C++ compiler?); step 05 will try again at its first run" >&2
 if [ "${1:-}" = "--dev" ]; then
     "${pip[@]}" -r requirements-dev.txt
 fi

@@ -87,11 +87,15 @@ def python(script, *args):
 
 
 def forked(nproc, script, *args):
-    """The command line of a job of `nproc` processes on this machine, as torchrun starts them (the same
-    variables: RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR...; one thread each) but forked from one Python
-    that has imported torch. torchrun and each of its workers import torch, most of a short run's time on
-    a CPU: the tests whose claims are about what a run computes (parity, resume) launch this way; the tests
-    of what a launcher does (the README's commands, signals, restarts, errors) launch with the launcher."""
+    """The command line of a job of `nproc` processes on this machine, given the variables that a step reads
+    from torchrun (RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT; and, as torchrun
+    does for several processes, one thread each unless OMP_NUM_THREADS says otherwise), but forked from one
+    Python that has imported torch: torchrun and each of its workers import torch, most of a short run's time
+    on a CPU. For the tests whose claim is what a run computes (parity, resume); the tests of what a launcher
+    does use the launcher. On a GPU machine, torchrun itself: a process that has asked whether CUDA is there
+    (`ON_GPU`) cannot pass CUDA on to a forked child."""
+    if ON_GPU:
+        return torchrun(nproc, script, *args)
     return [sys.executable, __file__, str(nproc), str(script), *map(str, args)]
 
 
@@ -106,10 +110,10 @@ def _run_forked(nproc, argv):
     for rank in range(nproc):
         pid = os.fork()
         if pid == 0:
-            os.environ.update(shared, RANK=str(rank), LOCAL_RANK=str(rank))
-            torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", torch.get_num_threads())))
             status = 1
             try:
+                os.environ.update(shared, RANK=str(rank), LOCAL_RANK=str(rank))
+                torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", torch.get_num_threads())))
                 run_step_here(argv)
                 status = 0
             except SystemExit as exit:
@@ -119,8 +123,11 @@ def _run_forked(nproc, argv):
             except BaseException:
                 traceback.print_exc()
             finally:
-                sys.stdout.flush()
-                sys.stderr.flush()
+                for stream in (sys.stdout, sys.stderr):
+                    try:
+                        stream.flush()
+                    except OSError:  # a closed pipe: nothing more to say, and the status still counts
+                        pass
                 os._exit(status)
         ranks[pid] = rank
     status = 0

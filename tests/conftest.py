@@ -1,5 +1,5 @@
 """The tests import the benchmarks' modules (launch.py: how to start a step; parity.py: the parity rows),
-share one reference run, and never download."""
+run on pytest-xdist's workers, share a reference run (one per worker that needs it), and never download."""
 
 import socket
 import sys
@@ -29,9 +29,9 @@ def pytest_xdist_auto_num_workers(config):
 
 
 class SharedFixtureScheduling(LoadScopeScheduling):
-    """pytest-xdist's `--dist load` (each test to the next free worker), except that the tests of a module of
-    SHARED_FIXTURES go to one worker together. (Its `--dist loadgroup` would do it, but pytest 9 no longer
-    reads the node ids it marks.)"""
+    """pytest-xdist's `--dist loadscope` (units of work to the workers as they free up, the largest first),
+    where a unit is one test, or every test of a module of SHARED_FIXTURES. It replaces `--dist`: the
+    `--dist loadgroup` that would do this reads node ids that pytest 9 no longer takes from it."""
 
     def _split_scope(self, nodeid):
         module = nodeid.split("::", 1)[0]
