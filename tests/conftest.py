@@ -9,6 +9,8 @@ import pytest
 from xdist.scheduler import LoadScopeScheduling
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+# The checks shared by the tests: a failed `assert` there says what it compared, as in a test module.
+pytest.register_assert_rewrite("jobs", "outputs", "resume")
 
 from jobs import SMOKE_ARGS, run_job  # noqa: E402
 from launch import ON_GPU, torchrun  # noqa: E402
