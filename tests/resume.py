@@ -9,9 +9,6 @@ from outputs import assert_same_weights, check_ok, read_metrics
 TRAIN_SIZE, TEST_SIZE, STEPS_PER_EPOCH = 240, 10, 10
 STOP_STEP, END_STEP, SAVE_EVERY = 6, 14, 4
 assert STOP_STEP < STEPS_PER_EPOCH < END_STEP < 2 * STEPS_PER_EPOCH and STOP_STEP % SAVE_EVERY
-# The models at a quarter of their default widths (ResNet-9's 32, the vision transformer's 128): a tenth of the
-# arithmetic, and a resume is exact at any width.
-SMALL_RESNET9, SMALL_VIT = ["--width", 8], ["--width", 32]
 
 
 def check_exact_resume(launch, tmp_path, make_data=tiny_cifar10, env=None):

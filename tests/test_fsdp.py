@@ -6,10 +6,10 @@ in tests/test_resume.py."""
 import re
 
 import pytest
-from jobs import SMOKE_ARGS, SYNTHETIC_ARGS, run_job, sized_for
+from jobs import SMALL_RESNET9, SMOKE_ARGS, SYNTHETIC_ARGS, run_job, sized_for
 from launch import ON_GPU, forked, python, torchrun
 from outputs import assert_same_weights, check_ok, check_one_error, check_smoke_run
-from resume import END_STEP, SMALL_RESNET9, check_exact_resume
+from resume import END_STEP, check_exact_resume
 
 SCRIPT = "07_cifar10_fsdp.py"
 

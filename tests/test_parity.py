@@ -12,6 +12,7 @@ import dataclasses
 import parity
 import pytest
 from data_dirs import tiny_cifar10, tiny_mnist
+from jobs import SMALL_RESNET9, SMALL_VIT
 from outputs import trained_once
 
 from common import models
@@ -20,9 +21,9 @@ TRAIN_SIZE, TEST_SIZE, EPOCHS = 24, 10, 2
 STEPS = TRAIN_SIZE // 8 * EPOCHS  # the float64 rows' steps
 # Rows of more than 2 processes, and rows that a 2-process row of the same step already holds.
 FULL_TIER = {"03", "04 x4", "05 ZeRO-0 x2", "08 2x2", "09 2x2"}
-# And smaller models than the benchmark's (06's CNN has no width): a quarter of ResNet-9's width and of the vision
-# transformer's. Parity holds at any width; the run's arithmetic shrinks about tenfold.
-SMALL_MODELS = {**dict.fromkeys(["01", "03", "04", "05", "07", "08"], ["--width", "8"]), "09": ["--width", "32"]}
+# And smaller models than the benchmark's (06's CNN has no width).
+SMALL_MODELS = {**dict.fromkeys(["01", "03", "04", "05", "07", "08"], list(map(str, SMALL_RESNET9))),
+                "09": list(map(str, SMALL_VIT))}
 
 
 @pytest.fixture(scope="module")

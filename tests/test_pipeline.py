@@ -6,10 +6,10 @@ killed worker in tests/test_faults.py, bad input in tests/test_errors.py."""
 import json
 
 import pytest
-from jobs import SMOKE_ARGS, run_job
+from jobs import SMALL_RESNET9, SMOKE_ARGS, run_job
 from launch import forked, python, torchrun
 from outputs import check_ok, check_smoke_run, read_metrics
-from resume import END_STEP, SMALL_RESNET9, check_exact_resume
+from resume import END_STEP, check_exact_resume
 
 SCRIPT = "08_cifar10_pipeline.py"
 

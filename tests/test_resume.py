@@ -3,10 +3,10 @@
 import parity
 import pytest
 from data_dirs import tiny_cifar10
-from jobs import run_job
+from jobs import SMALL_RESNET9, run_job
 from launch import forked, python
 from outputs import check_ok, load_state, read_metrics
-from resume import END_STEP, SMALL_RESNET9, check_exact_resume
+from resume import END_STEP, check_exact_resume
 
 pytestmark = pytest.mark.full  # the full tier: the quick tier resumes once per checkpoint format (docs/testing.md)
 

@@ -4,10 +4,10 @@ checkpoints that resume exactly, dropout included. Parity with 09 in a world of 
 tests/test_parity.py, a killed worker in tests/test_faults.py, bad input in tests/test_errors.py."""
 
 import pytest
-from jobs import SYNTHETIC_ARGS, run_job
+from jobs import SMALL_VIT, SYNTHETIC_ARGS, run_job
 from launch import forked, torchrun
 from outputs import check_ok, check_outputs, check_smoke_run, read_metrics
-from resume import END_STEP, SMALL_VIT, check_exact_resume
+from resume import END_STEP, check_exact_resume
 
 from common import models
 
