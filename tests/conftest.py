@@ -1,11 +1,13 @@
 """The tests import the benchmarks' modules (launch.py: how to start a step; parity.py: the parity rows),
 run on pytest-xdist's workers, share a reference run (one per worker that needs it), and never download."""
 
+import os
 import socket
 import sys
 from pathlib import Path
 
 import pytest
+import torch
 from xdist.scheduler import LoadScopeScheduling
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
@@ -28,6 +30,16 @@ def pytest_xdist_auto_num_workers(config):
     is Python starting on one core (torchrun imports torch before its workers do): a second job fills the
     other. A GPU machine runs one job at a time, since each takes every GPU."""
     return 1 if ON_GPU else 2
+
+
+def pytest_configure(config):
+    """Under two workers, every process of every job computes on one thread, as torchrun's workers do (a
+    user's OMP_NUM_THREADS is kept). A single process would otherwise take a thread per core, and two such jobs
+    at once oversubscribe the cores (on the 2-core development CPU, AVX2 held, two fp16 smoke runs of 02 side by side
+    took 88 s at 2 threads each, 56 s at one)."""
+    if int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", 1)) > 1 and "OMP_NUM_THREADS" not in os.environ:
+        os.environ["OMP_NUM_THREADS"] = "1"  # the jobs inherit it (launch.environment)
+        torch.set_num_threads(1)  # the tests that compute in their own process
 
 
 class SharedFixtureScheduling(LoadScopeScheduling):

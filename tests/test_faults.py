@@ -14,7 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 from jobs import MNIST_LR, SYNTHETIC_ARGS, catches, loader_workers, run_job, with_default_workers, workers
-from launch import ROOT, python, torchrun
+from launch import ROOT, forked, python, torchrun
 from outputs import assert_same_weights, check_ok, saved_step, trained_once
 
 # 30 steps of an epoch of 100, with a checkpoint every 10. The job is signalled once the checkpoint of step
@@ -51,8 +51,9 @@ STEPS = {
 
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory):
-    """uninterrupted(script): model.pt of the fault runs' job without a fault."""
-    return trained_once(tmp_path_factory, lambda script, output_dir: torchrun(
+    """uninterrupted(script): model.pt of the fault runs' job without a fault (forked: what it computes is the
+    claim, not how it starts)."""
+    return trained_once(tmp_path_factory, lambda script, output_dir: forked(
         2, script, *FAULT_RUN_ARGS, *STEPS[script][0], "--output-dir", output_dir))
 
 
