@@ -40,10 +40,11 @@ def environment(extra=None):
     """The environment a step runs in: the environment's bin first on PATH, as when it is activated
     (DeepSpeed builds and loads its op with the ninja installed beside it, and always the same ninja:
     two versions disagree about the cached build and rebuild it every time), gloo on the loopback
-    interface (one machine), and output that is not held back."""
-    return {**os.environ, "PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}",
-            "GLOO_SOCKET_IFNAME": os.environ.get("GLOO_SOCKET_IFNAME", "lo"), "PYTHONUNBUFFERED": "1",
-            **(extra or {})}
+    interface (one machine), and output that is not held back. `extra`: more variables; None removes one."""
+    variables = {**os.environ, "PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}",
+                 "GLOO_SOCKET_IFNAME": os.environ.get("GLOO_SOCKET_IFNAME", "lo"), "PYTHONUNBUFFERED": "1",
+                 **(extra or {})}
+    return {name: value for name, value in variables.items() if value is not None}
 
 
 def free_port():

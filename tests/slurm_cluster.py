@@ -86,8 +86,9 @@ class SlurmCluster:
         self.submitted = []
 
     def env(self, extra=None):
-        """The environment of a Slurm command (and of its jobs: sbatch passes it on)."""
-        return environment({"SLURM_CONF": str(self.conf), **(extra or {})})
+        """The environment of a Slurm command (and of its jobs: sbatch passes it on), without the tests' one
+        thread per process (conftest.py): srun.sbatch sets OMP_NUM_THREADS itself where it is unset."""
+        return environment({"SLURM_CONF": str(self.conf), "OMP_NUM_THREADS": None, **(extra or {})})
 
     def run(self, *command, env=None):
         """A Slurm client command's output; a failure raises, with what it printed."""

@@ -36,7 +36,9 @@ def job(init, run_args, init_file):
 def test_each_init_method_trains_04s_job_to_04s_weights(init, ddp_weights, tmp_path):
     init_file = tmp_path / "init_file"
     commands, url = job(init, [*SMOKE_ARGS, "--output-dir", tmp_path / "out"], init_file)
-    printed = "".join(check_ok(result).stdout for result in run_nodes(commands))
+    # Without the tests' one thread per process (conftest.py): init_methods.py sets it where it is unset.
+    results = run_nodes(commands, envs=[{"OMP_NUM_THREADS": None}] * len(commands))
+    printed = "".join(check_ok(result).stdout for result in results)
     for rank in range(2):
         assert re.search(rf"^rank {rank} of 2 joined through {url}$", printed, re.M), printed
     metrics = check_smoke_run(tmp_path / "out", SCRIPT, world_size=2)  # exact evaluation, learned, model.pt
