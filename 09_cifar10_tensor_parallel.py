@@ -32,7 +32,7 @@ from torch.distributed.checkpoint.state_dict import (  # [07] the sharded state,
 )  # [07]
 from torch.distributed.device_mesh import init_device_mesh  # [09]
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard  # [07]
-from torch.distributed.tensor import Replicate, Shard  # [09]
+from torch.distributed.tensor import Replicate, Shard, distribute_tensor  # [09]
 from torch.distributed.tensor.parallel import (  # [09]
     ColwiseParallel,  # [09]
     PrepareModuleInput,  # [09]
@@ -234,10 +234,14 @@ def train_one_epoch(args, model, loader, optimizer, scheduler,
         # The logits stay split by class across the group: the softmax's maximum and sum, and the target's
         # log-probability, are all-reduced; the logits are never gathered. The backward pass needs the same context.
         with loss_parallel():  # [09]
-            loss = F.cross_entropy(model(images), labels, label_smoothing=args.label_smoothing)  # [09]
+            logits = model(images)  # [09]
+            loss = F.cross_entropy(logits, labels, reduction="none")  # [09]
+            if args.label_smoothing:  # [09] loss_parallel takes no label_smoothing: its term from local parts
+                loss = loss + args.label_smoothing * smoothing_term(logits, labels)  # [09]
+            loss = loss.mean()  # [09]
             optimizer.zero_grad(set_to_none=True)  # [09]
             scaler.scale(loss).backward()  # [09]
-        loss = loss.full_tensor()  # [09] a DTensor, the same on every rank of the group
+        loss = loss.full_tensor()  # [09] a DTensor: its value, the same on every rank of the group
         scaler.step(optimizer)  # [02] unscales the gradients; skips the step if they overflowed
         scaler.update()  # [02]
         scheduler.step()
@@ -271,6 +275,16 @@ def evaluate(model, mesh, loader, device, tta):  # [09]
     dist.all_reduce(totals, group=mesh["dp"].get_group())  # [09] over replicas: a group's ranks hold the same
     loss_sum, correct, samples = totals.tolist()
     return loss_sum / samples, correct / samples, int(samples)
+
+
+def smoothing_term(logits, labels):  # [09]
+    """ε times this is what --label-smoothing adds to each sample's loss: mean(-log p) - nll, which is the label's
+    logit minus the mean logit (log p = logit - logsumexp, logsumexp = nll + the label's logit): one sum over the
+    classes, which each rank takes over its own and DTensor all-reduces."""  # [09]
+    classes = logits.shape[-1]  # [09]
+    one_hot = distribute_tensor(F.one_hot(labels, classes).to(logits.dtype), logits.device_mesh,  # [09]
+                                logits.placements, src_data_rank=None)  # [09] every rank has the labels: no copy
+    return (logits * (one_hot - 1 / classes)).sum(-1)  # [09]
 
 
 def save_checkpoint(args, model, optimizer, scheduler, scaler, epoch, step):  # [02]
