@@ -73,7 +73,7 @@ def main():
     # Before the process group, whose timeout a slow download would outlast (one process per machine downloads).
     if not args.synthetic:
         data.download_cifar10(args.data_dir)
-    # 5 minutes, not 30: a job whose rank died fails soon. device_id: NCCL joins this process's GPU now.
+    # 5 minutes, not gloo's 30 (NCCL's 10): a job whose rank died fails soon. device_id: NCCL joins its GPU now.
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=datetime.timedelta(minutes=5),  # [04]
                             device_id=torch.device("cuda", local_rank) if device.type == "cuda" else None)  # [04]
     train_set, test_set = data.load_cifar10(args.data_dir, args.synthetic, seed=args.seed)
