@@ -19,7 +19,7 @@ from launch import ON_GPU, ROOT, environment
 SHORT_RUN_ARGS = ["--num-workers", "0", "--batch-size", "24", "--lr", "0.1", "--epochs", "1"]
 SYNTHETIC_ARGS = ["--synthetic", *SHORT_RUN_ARGS]
 # The models at a quarter of their default widths (ResNet-9's 32, the vision transformer's 128): a tenth of the
-# arithmetic, for the runs whose claim holds at any width (an exact resume, parity).
+# arithmetic, for the runs whose claim holds at any width (an exact resume, parity, what a checkpoint holds).
 SMALL_RESNET9, SMALL_VIT = ["--width", 8], ["--width", 32]
 # A smoke run: enough steps for every step's net to beat chance clearly on the synthetic data.
 SMOKE_STEPS = 30

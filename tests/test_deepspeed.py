@@ -14,7 +14,7 @@ import parity
 import pytest
 import torch
 from data_dirs import tiny_cifar10
-from jobs import SHORT_RUN_ARGS, SMOKE_ARGS, SYNTHETIC_ARGS, run_job, sized_for
+from jobs import SHORT_RUN_ARGS, SMALL_RESNET9, SMOKE_ARGS, SYNTHETIC_ARGS, run_job, sized_for
 from launch import LAUNCHERS, ON_GPU, forked, torchrun
 from outputs import assert_same_weights, check_ok, check_one_error, check_smoke_run, load_state, read_metrics
 from resume import END_STEP, check_exact_resume
@@ -57,8 +57,8 @@ def test_amp_keeps_the_weights_and_batchnorm_statistics_in_fp32(zero_stage, tmp_
     mode, which casts the whole model: after a few steps, model.pt's weights and BatchNorm statistics are
     fp32 numbers that bf16 cannot hold (the module's own state with ZeRO-0, zero_to_fp32's with ZeRO-3)."""
     data_dir = tiny_cifar10(tmp_path / "data", 96, 10)
-    check_ok(launch("forked", 2, "--data-dir", data_dir, *SHORT_RUN_ARGS, "--max-steps", 3, "--zero-stage",
-                    zero_stage, "--amp", "bf16", "--width", 8, "--output-dir", tmp_path / "out"))
+    check_ok(launch("torchrun", 2, "--data-dir", data_dir, *SHORT_RUN_ARGS, "--max-steps", 3, "--zero-stage",
+                    zero_stage, "--amp", "bf16", *SMALL_RESNET9, "--output-dir", tmp_path / "out"))
     state = load_state(tmp_path / "out" / "model.pt")
     floats = {name: tensor for name, tensor in state.items() if tensor.is_floating_point()}
     assert any("running_var" in name for name in floats)
@@ -89,8 +89,8 @@ def test_zero3_checkpoint_refuses_another_world_size(tmp_path):
     """ZeRO-3's shards fit 2 processes only: DeepSpeed's universal checkpoint, which would re-partition them,
     converts Adam's state only. 3 processes are refused, in one line."""
     args = ["--data-dir", tiny_cifar10(tmp_path / "data", 96, 11), *SHORT_RUN_ARGS, "--epochs", 2, "--zero-stage", 3,
-            "--width", 8, "--output-dir", tmp_path / "out"]
-    check_ok(launch("forked", 2, *args, "--max-steps", 4, "--save-every", 4))
+            *SMALL_RESNET9, "--output-dir", tmp_path / "out"]
+    check_ok(launch("torchrun", 2, *args, "--max-steps", 4, "--save-every", 4))
     result = run_job(torchrun(3, SCRIPT, *args, "--max-steps", 8, "--resume"), timeout=120)
     check_one_error(result, "with 3 processes: its ZeRO shards were written by 2", "not SGD's")
 
@@ -101,12 +101,12 @@ def test_zero0_checkpoint_resumes_at_another_world_size(tmp_path):
     exactly the saved weights (a resume that trains no step writes them back), and on from there. Not compared
     with an uninterrupted 3-process run: float32 sums in another order, which training amplifies."""
     args = ["--data-dir", tiny_cifar10(tmp_path / "data", 96, 11), *SHORT_RUN_ARGS, "--epochs", 2, "--zero-stage", 0,
-            "--width", 8]
+            *SMALL_RESNET9]
     saved, loaded, continued = tmp_path / "saved", tmp_path / "loaded", tmp_path / "continued"
-    check_ok(launch("forked", 2, *args, "--max-steps", 4, "--save-every", 4, "--output-dir", saved))
+    check_ok(launch("torchrun", 2, *args, "--max-steps", 4, "--save-every", 4, "--output-dir", saved))
     for output_dir, steps in ((loaded, 4), (continued, 8)):
         shutil.copytree(saved / "checkpoints", output_dir / "checkpoints")
-        result = check_ok(launch("forked", 3, *args, "--max-steps", steps, "--resume", "--output-dir", output_dir))
+        result = check_ok(launch("torchrun", 3, *args, "--max-steps", steps, "--resume", "--output-dir", output_dir))
         assert "resumed from step 4" in result.stdout
         assert (read_metrics(output_dir)["world_size"], read_metrics(output_dir)["steps"]) == (3, steps)
     assert_same_weights(saved / "model.pt", loaded / "model.pt")
