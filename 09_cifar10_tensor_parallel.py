@@ -73,6 +73,9 @@ def main():
     else:  # [02]
         distributed.print0("no GPU found: training on the CPU")  # [04]
     amp_dtype = flags.AMP_DTYPES[args.amp]  # [02] None: plain fp32
+    if args.amp == "fp16":  # [09] a step skipped for an overflow must be skipped by every rank of a group
+        raise utils.UsageError("--amp fp16: 09 has no loss scaling across tensor-parallel ranks; "  # [09]
+                               "use --amp bf16")  # [09]
     tp_size = args.tp_size or min(2, world_size)  # [09]
     if world_size % tp_size or models.VIT_HEADS % tp_size:  # [09] each rank of a group holds whole heads
         raise utils.UsageError(f"--tp-size {tp_size} must divide the world size {world_size} and the "  # [09]
@@ -153,16 +156,13 @@ def main():
     total_steps = args.epochs * len(train_loader)
     scheduler = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=args.lr, total_steps=total_steps)
     last_step = min(args.max_steps, total_steps) if args.max_steps else total_steps
-    # fp16: every rank must agree to skip a step whose gradients overflowed, and each sees only its shard. The
-    # gradients are DTensors, whose overflow check takes the maximum over the ranks: 04's scaler is enough.
-    scaler = torch.amp.GradScaler(device.type, enabled=args.amp == "fp16")  # [02] fp16: small gradients would underflow
 
     step, start_epoch = 0, 0
     # Started again (torchrun --max-restarts=K after a failure, a requeued Slurm job): go on from the last checkpoint.
     restart_counts = ("TORCHELASTIC_RESTART_COUNT", "SLURM_RESTART_COUNT")  # [04] torchrun's, Slurm's
     restarted = any(int(os.environ.get(name, "0")) > 0 for name in restart_counts)  # [04]
     if args.resume or (restarted and os.path.isfile(os.path.join(args.output_dir, "checkpoints", "latest"))):  # [07]
-        step, start_epoch = load_checkpoint(args, model, optimizer, scheduler, scaler, device)  # [02]
+        step, start_epoch = load_checkpoint(args, model, optimizer, scheduler, device)  # [09]
 
     meter = utils.Throughput()
     start_time = time.perf_counter()
@@ -172,7 +172,7 @@ def main():
         train_set.set_epoch(epoch)  # augmentation draws depend on (seed, epoch, sample) only
         meter.start()
         train_loss, new_step = train_one_epoch(args, model, train_loader, optimizer, scheduler,
-                                               scaler, device, epoch, step, last_step, preemption)  # [07]
+                                               device, epoch, step, last_step, preemption)  # [09]
         meter.stop((new_step - step) * args.batch_size)
         step = new_step
         if preemption.stopped:  # [04] every rank stopped after this step, once the checkpoint was written
@@ -220,7 +220,7 @@ def main():
 
 
 def train_one_epoch(args, model, loader, optimizer, scheduler,
-                    scaler, device, epoch, step, last_step, preemption):  # [07]
+                    device, epoch, step, last_step, preemption):  # [09]
     """Train until the end of `epoch` or `last_step`; returns the mean loss and the new step."""
     model.train()
     done = step - epoch * len(loader)  # batches of this epoch already trained (resuming mid-epoch)
@@ -240,10 +240,9 @@ def train_one_epoch(args, model, loader, optimizer, scheduler,
                 loss = loss + args.label_smoothing * smoothing_term(logits, labels)  # [09]
             loss = loss.mean()  # [09]
             optimizer.zero_grad(set_to_none=True)  # [09]
-            scaler.scale(loss).backward()  # [09]
+            loss.backward()  # [09]
         loss = loss.full_tensor()  # [09] a DTensor: its value, the same on every rank of the group
-        scaler.step(optimizer)  # [02] unscales the gradients; skips the step if they overflowed
-        scaler.update()  # [02]
+        optimizer.step()  # [09]
         scheduler.step()
         step += 1
         loss_sum += loss.detach()
@@ -256,7 +255,7 @@ def train_one_epoch(args, model, loader, optimizer, scheduler,
             utils.check_finite(logged_loss, step)  # a diverged run stops here, before it saves its NaN weights
             progress.set_postfix(loss=f"{logged_loss:.3f}")
         if checkpoint_due:  # [07] every rank: its own shard
-            save_checkpoint(args, model, optimizer, scheduler, scaler, epoch, step)  # [02]
+            save_checkpoint(args, model, optimizer, scheduler, epoch, step)  # [09]
         if stop:  # [04]
             break  # [04]
     return distributed.all_reduce_mean(loss_sum).item() / max(end - done, 1), step  # [04]
@@ -287,7 +286,7 @@ def smoothing_term(logits, labels):  # [09]
     return (logits * (one_hot - 1 / classes)).sum(-1)  # [09]
 
 
-def save_checkpoint(args, model, optimizer, scheduler, scaler, epoch, step):  # [02]
+def save_checkpoint(args, model, optimizer, scheduler, epoch, step):  # [09]
     """Everything a resumed run needs to continue as if it had never stopped."""
     directory = os.path.join(args.output_dir, "checkpoints")  # [07]
     # The weights and the optimizer state stay sharded: every rank writes its own shards, in parallel.
@@ -298,7 +297,6 @@ def save_checkpoint(args, model, optimizer, scheduler, scaler, epoch, step):  # 
         return  # [07]
     utils.save_atomic({
         "scheduler": scheduler.state_dict(),
-        "scaler": scaler.state_dict(),  # [02] the current loss scale
         "epoch": epoch,
         "step": step,
         "rng": utils.get_rng_state(),
@@ -312,7 +310,7 @@ def save_checkpoint(args, model, optimizer, scheduler, scaler, epoch, step):  # 
     utils.remove_other_checkpoints(directory, keep=f"step{step}")  # [07]
 
 
-def load_checkpoint(args, model, optimizer, scheduler, scaler, device):  # [02]
+def load_checkpoint(args, model, optimizer, scheduler, device):  # [09]
     """Restore `save_checkpoint`'s state; returns the step and the epoch to continue from."""
     directory = utils.latest_checkpoint(os.path.join(args.output_dir, "checkpoints"))  # [07]
     checkpoint = utils.load_checkpoint(os.path.join(directory, "train_state.pt"), map_location=device)  # [07]
@@ -322,7 +320,6 @@ def load_checkpoint(args, model, optimizer, scheduler, scaler, device):  # [02]
     dcp.load({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=directory)  # [07]
     set_state_dict(model, optimizer, model_state_dict=model_state, optim_state_dict=optimizer_state)  # [07]
     scheduler.load_state_dict(checkpoint["scheduler"])
-    scaler.load_state_dict(checkpoint["scaler"])  # [02]
     utils.set_rng_state(checkpoint["rng"])
     distributed.print0(f"resumed from step {checkpoint['step']}")  # [04]
     return checkpoint["step"], checkpoint["epoch"]

@@ -68,6 +68,8 @@ def cases(tmp, port):
             (torchrun(2, "08_cifar10_pipeline.py", *SYNTHETIC_ARGS, "--microbatches", 5, *out), {}, {}),
         "`--amp fp16` in 08 (no loss scaling across pipeline stages)":
             (python("08_cifar10_pipeline.py", *SYNTHETIC_ARGS, "--amp", "fp16", *out), {}, {}),
+        "`--amp fp16` in 09 (no loss scaling across tensor-parallel ranks)":
+            (python("09_cifar10_tensor_parallel.py", *SYNTHETIC_ARGS, "--amp", "fp16", *out), {}, {}),
         "`--tp-size` that does not divide the world size (09)":
             (python("09_cifar10_tensor_parallel.py", *SYNTHETIC_ARGS, "--tp-size", 2, *out), {}, {}),
         "`--tp-size` that does not divide the 4 attention heads (09)":
