@@ -25,6 +25,7 @@ from torch.distributed.checkpoint.state_dict import (  # [07] the sharded state,
     StateDictOptions,  # [07]
     get_model_state_dict,  # [07]
     get_state_dict,  # [07]
+    set_model_state_dict,  # [07]
     set_state_dict,  # [07]
 )  # [07]
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard  # [07]
@@ -84,7 +85,10 @@ def main():
     test_loader = data.BatchLoader(test_shard, batch_sampler=test_batches, device=device,  # [07]
                                    num_workers=args.num_workers)  # [07]
 
-    model = models.ResNet9(norm=args.norm, width=args.width).to(device)
+    # On the meta device: the model's shapes, no memory. Each rank allocates only its shards (to_empty, below),
+    # so a model larger than one GPU fits.
+    with torch.device("meta"):  # [07]
+        model = models.ResNet9(norm=args.norm, width=args.width)  # [07]
     # Each residual block and BatchNorm layer, then the root (the rest), becomes one unit: each rank keeps a shard
     # of its weights; just before the unit runs (forward and backward), its full weights are gathered
     # from every rank and freed after. The gradients are reduce-scattered: each rank gets the averaged
@@ -98,6 +102,12 @@ def main():
             fully_shard(module, mp_policy=policy)  # [07]
     # The root returns the logits in fp32 under --amp (reduce_dtype), so that the loss is computed in fp32.
     fully_shard(model, mp_policy=dataclasses.replace(policy, output_dtype=policy.reduce_dtype))  # [07] in place
+    model.to_empty(device=device)  # [07] this rank's shards, not yet initialised
+    # One process's initial weights (the seed's), built in rank 0's CPU memory and sent tensor by tensor: each
+    # rank keeps its shard of each, and never holds the whole model on its device.
+    initial_weights = models.ResNet9(norm=args.norm, width=args.width).state_dict() if rank == 0 else {}  # [07]
+    set_model_state_dict(model, initial_weights,  # [07]
+                         options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))  # [07]
     # After sharding: the optimizer must hold the shards (DTensors), not the full weights.
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9, nesterov=True, weight_decay=5e-4)
     total_steps = args.epochs * len(train_loader)

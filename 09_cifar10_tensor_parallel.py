@@ -28,6 +28,7 @@ from torch.distributed.checkpoint.state_dict import (  # [07] the sharded state,
     StateDictOptions,  # [07]
     get_model_state_dict,  # [07]
     get_state_dict,  # [07]
+    set_model_state_dict,  # [07]
     set_state_dict,  # [07]
 )  # [07]
 from torch.distributed.device_mesh import init_device_mesh  # [09]
@@ -115,7 +116,10 @@ def main():
     test_loader = data.BatchLoader(test_shard, batch_sampler=test_batches, device=device,  # [07]
                                    num_workers=args.num_workers)  # [07]
 
-    model = models.VisionTransformer(width=args.width, dropout=not args.no_dropout).to(device)  # [09]
+    # On the meta device: the model's shapes, no memory. Each rank allocates only its shards (to_empty, below),
+    # so a model larger than one GPU fits.
+    with torch.device("meta"):  # [07]
+        model = models.VisionTransformer(width=args.width, dropout=not args.no_dropout)  # [09]
     # Tensor parallelism within each group. Colwise: each rank holds some output features of the layer (a few
     # heads, a slice of the MLP's hidden features) and needs the whole input; rowwise: the matching input
     # features, so its outputs are partial sums that the group adds up. Between the blocks' layers every rank
@@ -151,6 +155,12 @@ def main():
         fully_shard(block, mesh=mesh["dp"], mp_policy=policy)  # [09]
     # The root returns the logits in fp32 under --amp (reduce_dtype), so that the loss is computed in fp32.
     fully_shard(model, mesh=mesh["dp"], mp_policy=dataclasses.replace(policy, output_dtype=policy.reduce_dtype))  # [09]
+    model.to_empty(device=device)  # [07] this rank's shards, not yet initialised
+    # One process's initial weights (the seed's), built in rank 0's CPU memory and sent tensor by tensor: each
+    # rank keeps its shard of each, and never holds the whole model on its device.
+    initial_weights = models.VisionTransformer(width=args.width).state_dict() if rank == 0 else {}  # [09]
+    set_model_state_dict(model, initial_weights,  # [07]
+                         options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))  # [07]
     # After sharding: the optimizer must hold the shards (DTensors), not the full weights.
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9, nesterov=True, weight_decay=5e-4)
     total_steps = args.epochs * len(train_loader)

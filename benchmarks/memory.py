@@ -244,10 +244,51 @@ class PeakTracker:
         return sum(device["Total"] for device in self.tracker.get_tracker_snapshot("peak").values())
 
 
+class BuildPeak:
+    """The most bytes in tensors from the moment the step starts building its model to the moment it builds its
+    optimizer (every step wraps or shards the model before; 05 hands both to DeepSpeed after), beyond what the
+    process held before: torch.cuda.max_memory_allocated on a GPU, MemTracker's total on a CPU (the meta device's
+    shapes left out). The optimizer, not the first forward pass: MemTracker's module hooks, active in 08's first
+    pass, would break the backward pass by which the pipeline infers its shapes."""
+
+    def __init__(self):
+        self.tracker, self.before = None, 0
+
+    def start(self):
+        if torch.cuda.is_available():
+            torch.cuda.reset_peak_memory_stats()
+            self.before = torch.cuda.memory_allocated()
+        else:
+            self.tracker = TotalMemTracker()
+            self.tracker.__enter__()
+
+    def stop(self):
+        if torch.cuda.is_available():
+            return torch.cuda.max_memory_allocated() - self.before
+        self.tracker.__exit__(None, None, None)
+        peaks = self.tracker.get_tracker_snapshot("peak")
+        return sum(peak["Total"] for device, peak in peaks.items() if torch.device(device).type != "meta")
+
+
 def measure_in_this_process(output_dir, argv):
     """Run the step that `argv` names in this process; at its MEASURED_STEP-th optimizer step, write this rank's
     counts into `output_dir`, then end, with every other rank."""
     found = {"steps": 0}
+
+    def building(init):
+        def build(model, *args, **kwargs):
+            if "build" not in found:  # the first model built: on the meta device in 07 and 09
+                found["build"] = BuildPeak()
+                found["build"].start()
+            init(model, *args, **kwargs)
+        return build
+
+    def built(init):
+        def build_optimizer(optimizer, *args, **kwargs):
+            if "build_peak_bytes" not in found:
+                found["build_peak_bytes"] = found["build"].stop()
+            init(optimizer, *args, **kwargs)
+        return build_optimizer
 
     def first_module(module, args):
         # The first module that a step calls is its whole model: DDP, DeepSpeed's engine, the FSDP2 root, 08's stage.
@@ -264,12 +305,15 @@ def measure_in_this_process(output_dir, argv):
             found["peak"].start()
         elif found["steps"] == MEASURED_STEP:
             record = {**found["counts"], "peak_bytes": found["peak"].stop(), "peak_measured_by": found["peak"].name,
-                      "rank": dist.get_rank()}
+                      "build_peak_bytes": found["build_peak_bytes"], "rank": dist.get_rank()}
             (Path(output_dir) / f"rank{dist.get_rank()}.json").write_text(json.dumps(record))
             # The rest of the run (evaluation, checkpoints) is not measured. Every rank ends here, after this step.
             dist.barrier()
             os._exit(0)
 
+    for model_class in (models.ResNet9, models.VisionTransformer):
+        model_class.__init__ = building(model_class.__init__)
+    torch.optim.Optimizer.__init__ = built(torch.optim.Optimizer.__init__)
     register_module_forward_pre_hook(first_module)
     register_optimizer_step_pre_hook(before_step)
     register_optimizer_step_post_hook(after_step)
@@ -320,14 +364,15 @@ def megabytes(value):
 def table(records):
     """The records as text: one row per rank, in MB (10^6 bytes), then what DeepSpeed's buffers are."""
     header = (f"{'method':<16}{'step':>5}{'N':>3}{'rank':>5}{'params':>9}{'grads':>9}{'optim':>9}{'master':>9}"
-              f"{'buffers':>10}{'peak':>10}{'formula':>9}")
-    lines = [machine(), "MB per rank (10^6 bytes); optim includes master; formula: the ZeRO paper's", header]
+              f"{'buffers':>10}{'peak':>10}{'formula':>9}{'build':>9}")
+    lines = [machine(), "MB per rank (10^6 bytes); optim includes master; formula: the ZeRO paper's; build: the peak "
+             "while the model is built, wrapped or sharded", header]
     for record in records:
         lines.append(f"{record['method']:<16}{record['step']:>5}{record['world_size']:>3}{record['rank']:>5}"
                      + "".join(f"{megabytes(record[key]):>{width}}" for key, width in (
                          ("parameter_bytes", 9), ("gradient_bytes", 9), ("optimizer_bytes", 9),
                          ("master_weight_bytes", 9), ("buffer_bytes", 10), ("peak_bytes", 10),
-                         ("formula_bytes", 9))))
+                         ("formula_bytes", 9), ("build_peak_bytes", 9))))
     lines.append(f"Ψ = {PARAMETERS['ResNet-9']:,} (ResNet-9), {PARAMETERS['ViT']:,} (09's vision transformer); "
                  f"K = {MOMENTUM_K} (SGD's momentum), {DEEPSPEED_K} under ZeRO-1 to 3 (and the fp32 master weights)")
     lines.append(f"buffers of {SMALL / 1000:.0f} KB or more, on rank 0 (MB):")

@@ -23,7 +23,13 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_state_dict,
+    set_model_state_dict,
+    set_state_dict,
+)
 from torch.distributed.fsdp import fully_shard
 from torch.utils.data import DataLoader, DistributedSampler, Subset, TensorDataset
 
@@ -67,7 +73,7 @@ def main():
     # A short timeout: a job whose rank died fails in minutes instead of after the default 30.
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=datetime.timedelta(minutes=5),
                             device_id=device if device.type == "cuda" else None)  # NCCL: bound to this GPU
-    torch.manual_seed(0)  # the same initial weights everywhere: each rank keeps its shard of them
+    torch.manual_seed(0)  # the initial weights, which rank 0 builds (below)
     train_set, test_set = build_datasets()
     # Each rank keeps every world_size-th sample of one shuffle that every rank draws alike: disjoint shares.
     sampler = DistributedSampler(train_set, num_replicas=world_size, rank=rank, shuffle=True, seed=0, drop_last=True)
@@ -77,10 +83,18 @@ def main():
     batches = torch.arange(len(test_slice)).tensor_split(math.ceil(math.ceil(len(test_set) / world_size) / 256))
     test_loader = DataLoader(Subset(test_set, test_slice), batch_sampler=[batch.tolist() for batch in batches])
 
-    model = build_model().to(device)
+    # On the meta device: shapes, no memory. Each rank allocates only its shards, so a model larger than a GPU fits.
+    with torch.device("meta"):
+        model = build_model()
     for block in model:  # one unit per block (in YOUR MODEL: e.g. each transformer layer), inner units first
         fully_shard(block)
-    fully_shard(model)  # the root: what is left; each rank now holds 1/N of every weight (DTensors)
+    fully_shard(model)  # the root: what is left; each rank will hold 1/N of every weight (DTensors)
+    model.to_empty(device=device)  # this rank's shards, not yet initialised
+    # The initial weights, built once in rank 0's CPU memory and sent tensor by tensor: each rank keeps its shard
+    # of each. Buffers registered with persistent=False are in no state dict: set them after to_empty.
+    initial_weights = build_model().state_dict() if rank == 0 else {}
+    set_model_state_dict(model, initial_weights,
+                         options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)  # after sharding: on the shards
 
     checkpoints, start_epoch = Path(args.output_dir, "checkpoints"), 0
@@ -117,7 +131,7 @@ def main():
             os.replace(checkpoints / "latest.tmp", checkpoints / "latest")
 
     metrics = {"world_size": world_size, "epochs": args.epochs, **evaluate(model, test_loader, device)}
-    options = dcp.state_dict.StateDictOptions(full_state_dict=True, cpu_offload=True)  # whole, on rank 0, on the CPU
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)  # whole, on rank 0, on the CPU
     state_dict = get_model_state_dict(model, options=options)  # gathers: a collective, so every rank calls it
     if rank == 0:
         print(json.dumps(metrics), flush=True)

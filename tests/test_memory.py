@@ -1,8 +1,9 @@
 """What sharding saves (benchmarks/memory.py), measured once with 2 processes and checked against the sizes of
 ResNet-9's fp32 tensors: DDP cuts nothing; ZeRO-1 and 2 cut the optimizer state by the number of processes;
 ZeRO-2 also the gradients; ZeRO-3 and FSDP2 the parameters too. Where a partition is padded (DeepSpeed aligns
-its flat buffers), by a few bytes at most. Also: the records that --json writes, the table, the picture, and
-DeepSpeed's reduce bucket, which the benchmark reports instead of hiding."""
+its flat buffers), by a few bytes at most. Also: the records that --json writes, the table, the picture,
+DeepSpeed's reduce bucket, which the benchmark reports instead of hiding, and what 07's ranks hold while they build
+the model on the meta device."""
 
 import json
 
@@ -23,7 +24,7 @@ FULL = 4 * sum(parameter.numel() for parameter in models.ResNet9().parameters())
 SHARD = FULL // WORLD_SIZE  # ResNet-9's tensors all split evenly in 2
 PADDING = 64  # bytes: DeepSpeed pads its flat partitions to a few elements' alignment
 REQUIRED_KEYS = {"step", "zero_stage", "world_size", "rank", "parameter_bytes", "gradient_bytes", "optimizer_bytes",
-                 "peak_bytes"}
+                 "peak_bytes", "build_peak_bytes"}
 REDUCE_BUCKET = 4 * 500_000_000  # DeepSpeed's default reduce_bucket_size, 5e8 elements, in fp32
 
 
@@ -70,10 +71,19 @@ def test_the_table_and_the_picture(measured):
     stdout, by_method, picture = measured
     lines = stdout.splitlines()
     assert f"torch {torch.__version__}" in lines[0]
-    rows = [line.split() for line in lines if len(line.split()) == 11 and line.split()[0] in METHODS]
+    rows = [line.split() for line in lines if len(line.split()) == 12 and line.split()[0] in METHODS]
     assert len(rows) == len(METHODS) * WORLD_SIZE
     assert f"{by_method['DDP'][0]['parameter_bytes'] / 1e6:.2f}" in rows[0]
     assert picture.read_bytes().startswith(b"\x89PNG")
+
+
+def test_fsdp_builds_no_whole_model_on_a_rank_but_0(measured):
+    """07 builds on the meta device: rank 1 allocates its shards and receives rank 0's initial weights one whole
+    tensor at a time (plus BatchNorm's statistics and a few scalars, under 32 KB); DDP's rank 1 builds all of it."""
+    _, by_method, _ = measured
+    largest = 4 * max(parameter.numel() for parameter in models.ResNet9().parameters())
+    assert by_method["DDP"][1]["build_peak_bytes"] >= FULL
+    assert SHARD + largest <= by_method["FSDP2"][1]["build_peak_bytes"] <= SHARD + largest + 32_000 < FULL
 
 
 def test_ddp_cuts_nothing(measured):

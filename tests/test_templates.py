@@ -153,6 +153,7 @@ CORE = {
              "torch.distributed.fsdp.fully_shard", "torch.distributed.checkpoint.state_dict.get_state_dict",
              "torch.distributed.checkpoint.save", "torch.distributed.checkpoint.load",
              "torch.distributed.checkpoint.state_dict.set_state_dict",
+             "torch.distributed.checkpoint.state_dict.set_model_state_dict",
              "torch.distributed.checkpoint.state_dict.get_model_state_dict", "torch.distributed.all_reduce",
              "torch.distributed.destroy_process_group"},
     "deepspeed": {"torch.distributed.init_process_group", "torch.utils.data.DistributedSampler().set_epoch",
@@ -257,5 +258,6 @@ def test_template_is_self_contained_and_short(name):
                 for alias in node.names}
     assert not {module for module in modules if module.split(".")[0] == "common"}
     assert "# YOUR MODEL" in source and "# YOUR DATA" in source
-    # Short enough to read at once; the DDP template's 20 lines of preemption (04's pattern, inline) take it past 150.
-    assert 80 <= len(source.splitlines()) <= (165 if name == "ddp" else 150)
+    # Short enough to read at once; the DDP template's 20 lines of preemption (04's pattern, inline) take it past 150,
+    # the FSDP template's 14 lines of building on the meta device (and their imports) too.
+    assert 80 <= len(source.splitlines()) <= (165 if name in ("ddp", "fsdp") else 150)
