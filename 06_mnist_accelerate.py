@@ -51,6 +51,7 @@ def main():
         kwargs_handlers=[InitProcessGroupKwargs(timeout=datetime.timedelta(minutes=5))],  # [06] 04's short timeout
     )  # [06]
     rank, world_size, device = accelerator.process_index, accelerator.num_processes, accelerator.device  # [06]
+    preemption.connect()  # [06] its gloo group, now: a network that gloo cannot use fails here, not at step 1
     if device.type == "cuda":  # [02]
         utils.use_deterministic_kernels()  # [02] or --resume drifts from an uninterrupted run
     else:  # [02]
@@ -85,9 +86,8 @@ def main():
 
     step, start_epoch = 0, 0
     # Started again (torchrun --max-restarts=K after a failure, a requeued Slurm job): go on from the last checkpoint.
-    restart_counts = ("TORCHELASTIC_RESTART_COUNT", "SLURM_RESTART_COUNT")  # [04] torchrun's, Slurm's
-    restarted = any(int(os.environ.get(name, "0")) > 0 for name in restart_counts)  # [04]
-    if args.resume or (restarted and os.path.isfile(os.path.join(args.output_dir, "checkpoint.pt"))):  # [04]
+    # Rank 0 decides, for every rank: a rank that cannot see the checkpoint stops the job with one error.
+    if distributed.should_resume(args.resume, os.path.join(args.output_dir, "checkpoint.pt")):  # [04]
         step, start_epoch = load_checkpoint(args, accelerator, device)  # [06]
 
     meter = utils.Throughput()

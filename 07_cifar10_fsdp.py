@@ -69,6 +69,7 @@ def main():
     # 5 minutes, not gloo's 30 (NCCL's 10): a job whose rank died fails soon. device_id: NCCL joins its GPU now.
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=datetime.timedelta(minutes=5),  # [04]
                             device_id=torch.device("cuda", local_rank) if device.type == "cuda" else None)  # [04]
+    preemption.connect()  # [04] its gloo group, now: a network that gloo cannot use fails here, not at step 1
     train_set, test_set = data.load_cifar10(args.data_dir, args.synthetic, seed=args.seed)
     if args.batch_size > len(train_set):
         raise utils.UsageError(f"--batch-size {args.batch_size} is larger than the training set ({len(train_set)})")
@@ -119,9 +120,8 @@ def main():
 
     step, start_epoch = 0, 0
     # Started again (torchrun --max-restarts=K after a failure, a requeued Slurm job): go on from the last checkpoint.
-    restart_counts = ("TORCHELASTIC_RESTART_COUNT", "SLURM_RESTART_COUNT")  # [04] torchrun's, Slurm's
-    restarted = any(int(os.environ.get(name, "0")) > 0 for name in restart_counts)  # [04]
-    if args.resume or (restarted and os.path.isfile(os.path.join(args.output_dir, "checkpoints", "latest"))):  # [07]
+    # Rank 0 decides, for every rank: a rank that cannot see the checkpoint stops the job with one error.
+    if distributed.should_resume(args.resume, os.path.join(args.output_dir, "checkpoints", "latest")):  # [07]
         step, start_epoch = load_checkpoint(args, model, optimizer, scheduler, scaler, device)  # [02]
 
     meter = utils.Throughput()

@@ -43,6 +43,29 @@ def broadcast_buffers(model, group=None):
         dist.broadcast(buffer, group=group, group_src=0)
 
 
+# How often torchrun (--max-restarts) and Slurm (a requeued job) have started this job again.
+RESTART_COUNTS = ("TORCHELASTIC_RESTART_COUNT", "SLURM_RESTART_COUNT")
+
+
+def should_resume(resume, checkpoint):
+    """Whether to load `checkpoint` (a file): --resume, or a job started again that finds one. Decided by what
+    rank 0 sees, the same on every rank: if a rank that must load it cannot see it (no file system shared by
+    the machines, or one that lags), every rank stops with one error, instead of that rank starting at step 0
+    while the others resume (their collectives would mis-pair). Every rank must call it."""
+    restarted = any(int(os.environ.get(name, "0")) > 0 for name in RESTART_COUNTS)
+    seen = [os.path.isfile(checkpoint)]
+    if dist.is_initialized():
+        seen = [None] * dist.get_world_size()
+        dist.all_gather_object(seen, os.path.isfile(checkpoint))
+    if not (resume or restarted and seen[0]):
+        return False
+    blind = [rank for rank, found in enumerate(seen) if not found]
+    if seen[0] and blind:
+        raise UsageError(f"{checkpoint} is on rank 0's file system but rank(s) {', '.join(map(str, blind))} cannot "
+                         "see it: put --output-dir on a file system that every machine shares")
+    return True
+
+
 def default_to_a_world_of_one():
     """Started by plain `python`, no launcher has set the environment that `init_process_group`
     reads: set it for a world of one process. Port 0: the OS picks a free port, since no other
@@ -65,14 +88,18 @@ class Preemption:
     """SIGTERM or SIGUSR1 (a preemption, a scheduler's warning before a time limit) asks the run to stop.
 
     The signal only sets a flag: the step in flight finishes. At every step boundary each rank calls
-    `agreed()`, one all-reduce (MAX) of its flag, and every rank learns at the same step whether any rank
-    was signalled. They then all save the step's checkpoint and stop there together. A rank that stopped
-    on its own flag would leave the others waiting in their next collective until the timeout.
+    `agreed()`, which starts one all-reduce (MAX) of its flag and reads the one it started at the step
+    before: every rank learns at the same step whether any rank was signalled, one step after it was. They
+    then all save the step's checkpoint and stop there together. A rank that stopped on its own flag would
+    leave the others waiting in their next collective until the timeout. Read a step late, the all-reduce
+    runs while the step computes, and no rank waits for it (a ring of N ranks takes 2(N - 1) hops in turn).
 
     The all-reduce runs on a gloo group of its own, on a CPU tensor: on GPUs, reading a result of the
-    training group (NCCL) every step would make the CPU wait for the GPU at every step. Its timeout is the
-    steps' 5 minutes (a new group's default is 30): a rank that died ends the others soon. A single process
-    without a process group (06 under plain `python`) has its own flag alone.
+    training group (NCCL) every step would make the CPU wait for the GPU at every step. `connect()` creates
+    that group right after the process group, so that a network that gloo cannot use (GLOO_SOCKET_IFNAME,
+    docs/multi-node.md) fails the job at its start, not at its first step. Its timeout is the steps' 5
+    minutes (a new group's default is 30): a rank that died ends the others soon. A single process without a
+    process group (06 under plain `python`) has its own flag alone.
 
     The data loader's worker processes receive the same signals: torchrun signals each worker's whole process
     group, Slurm every process of a job step. PyTorch gives a loader worker a handler that dies of SIGTERM
@@ -89,6 +116,7 @@ class Preemption:
         self.signal = None  # the first signal received
         self.stopped = False  # the ranks agreed to stop
         self._group = None
+        self._sent = None  # (the all-reduce in flight, its flag)
         for number in self.STOP_SIGNALS:  # for a thread that started before the block below (imports start some)
             signal.signal(number, self._handle)
         # Processes started by spawn or forkserver (Python 3.14's default on Linux) need multiprocessing's resource
@@ -110,12 +138,24 @@ class Preemption:
             number = signal.sigwait(Preemption.STOP_SIGNALS)
             Preemption._latest._handle(number)
 
-    def agreed(self):
-        """True on every rank at the same step if any rank has been signalled. Every rank must call it."""
-        flag = torch.tensor([self.signal is not None], dtype=torch.int32)
+    def connect(self):
+        """Create the flag's gloo group: every rank, right after the process group (which may not exist: then
+        this process decides alone)."""
         if dist.is_initialized():
-            if self._group is None:  # created at the first call, which every rank reaches at the same point
-                self._group = dist.new_group(backend="gloo", timeout=datetime.timedelta(minutes=5))
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._group)
-        self.stopped = bool(flag.item())
+            self._group = dist.new_group(backend="gloo", timeout=datetime.timedelta(minutes=5))
+
+    def agreed(self):
+        """True on every rank at the same step if any rank had been signalled by the step before. Every rank
+        must call it, at every step."""
+        flag = torch.tensor([self.signal is not None], dtype=torch.int32)
+        if self._group is None:
+            if dist.is_initialized():
+                raise RuntimeError("Preemption.connect() must follow init_process_group on every rank")
+            self.stopped = bool(flag.item())
+            return self.stopped
+        if self._sent is not None:
+            work, sent_flag = self._sent
+            work.wait()
+            self.stopped = bool(sent_flag.item())
+        self._sent = dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._group, async_op=True), flag
         return self.stopped

@@ -1,6 +1,8 @@
 """The shared pipeline: deterministic data, world-size-independent order, atomic writes."""
 
+import datetime
 import itertools
+import os
 import signal
 import threading
 import time
@@ -10,11 +12,11 @@ import pytest
 import torch
 from data_dirs import mnist_data_dir
 from jobs import catches, run_job
-from launch import ROOT, python
+from launch import ROOT, in_local_processes, python
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.data.distributed import DistributedSampler
 
-from common import data, flags, models, utils
+from common import data, distributed, flags, models, utils
 
 
 @pytest.fixture(scope="module")
@@ -318,6 +320,31 @@ def test_a_checkpoint_restores_on_fewer_visible_gpus(monkeypatch):
     current["device"] = 0
     utils.set_rng_state(state)
     assert torch.equal(generators[0], torch.tensor([5], dtype=torch.uint8))
+
+
+@pytest.mark.parametrize(("restarted", "seen_by", "expected"), [
+    (True, (0, 1), "resumes"),
+    (True, (0,), "rank(s) 1 cannot see it"),  # no file system shared with rank 0
+    (True, (1,), "starts over"),  # rank 0 decides: it sees no checkpoint
+    (False, (0, 1), "starts over"),  # neither --resume nor a restart: a first run in a used folder
+])
+def test_rank_0_decides_whether_to_resume_for_every_rank(restarted, seen_by, expected, tmp_path, monkeypatch):
+    """Every rank passes the same path; each resolves it in a folder of its own, as on machines without a
+    shared file system. The decision, or the error, is the same on every rank."""
+    for rank in seen_by:
+        (tmp_path / str(rank)).mkdir()
+        (tmp_path / str(rank) / "checkpoint.pt").write_bytes(b"")
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1" if restarted else "0")
+
+    def decide(rank):
+        os.chdir(tmp_path / str(rank) if rank in seen_by else tmp_path)
+        try:
+            return "resumes" if distributed.should_resume(False, "checkpoint.pt") else "starts over"
+        except utils.UsageError as error:
+            return str(error)
+
+    decisions = in_local_processes(decide, 2, datetime.timedelta(seconds=60))
+    assert decisions[0] == decisions[1] and expected in decisions[0]
 
 
 def test_one_process_downloads_while_the_others_wait(tmp_path):
