@@ -66,10 +66,6 @@ def main():
     # Before the process group, whose timeout a slow download would outlast (one process per machine downloads).
     if not args.synthetic:
         data.download_cifar10(args.data_dir)
-    # 5 minutes, not gloo's 30 (NCCL's 10): a job whose rank died fails soon. device_id: NCCL joins its GPU now.
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=datetime.timedelta(minutes=5),  # [04]
-                            device_id=torch.device("cuda", local_rank) if device.type == "cuda" else None)  # [04]
-    preemption.connect()  # [04] its gloo group, now: a network that gloo cannot use fails here, not at step 1
     train_set, test_set = data.load_cifar10(args.data_dir, args.synthetic, seed=args.seed)
     if args.batch_size > len(train_set):
         raise utils.UsageError(f"--batch-size {args.batch_size} is larger than the training set ({len(train_set)})")
@@ -85,6 +81,13 @@ def main():
     test_batches = data.equal_batches(len(test_set), world_size, rank, batch_size)  # [07]
     test_loader = data.BatchLoader(test_shard, batch_sampler=test_batches, device=device,  # [07]
                                    num_workers=args.num_workers)  # [07]
+
+    # After the checks of the input: a rank that stopped on bad input while the others connect would
+    # break their connections, and they would fail with a traceback instead of its one error line.
+    # 5 minutes, not gloo's 30 (NCCL's 10): a job whose rank died fails soon. device_id: NCCL joins its GPU now.
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=datetime.timedelta(minutes=5),  # [04]
+                            device_id=torch.device("cuda", local_rank) if device.type == "cuda" else None)  # [04]
+    preemption.connect()  # [04] its gloo group, now: a network that gloo cannot use fails here, not at step 1
 
     # On the meta device: the model's shapes, no memory. Each rank allocates only its shards (to_empty, below),
     # so a model larger than one GPU fits.

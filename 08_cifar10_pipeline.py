@@ -72,16 +72,11 @@ def main():
     # Before the process group, whose timeout a slow download would outlast (one process per machine downloads).
     if not args.synthetic:
         data.download_cifar10(args.data_dir)
-    # 5 minutes, not gloo's 30 (NCCL's 10): a job whose rank died fails soon. device_id: NCCL joins its GPU now.
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=datetime.timedelta(minutes=5),  # [04]
-                            device_id=torch.device("cuda", local_rank) if device.type == "cuda" else None)  # [04]
-    preemption.connect()  # [04] its gloo group, now: a network that gloo cannot use fails here, not at step 1
-    # rank = stage x replicas + replica: the gradient all-reduce (large) stays within a machine, not the stages.
-    mesh = init_device_mesh(device.type, (stages, replicas), mesh_dim_names=("pp", "dp"))  # [08]
-    stage_index, replica = mesh["pp"].get_local_rank(), mesh["dp"].get_local_rank()  # [08]
     train_set, test_set = data.load_cifar10(args.data_dir, args.synthetic, seed=args.seed)
     if args.batch_size > len(train_set):
         raise utils.UsageError(f"--batch-size {args.batch_size} is larger than the training set ({len(train_set)})")
+    # rank = stage x replicas + replica: the gradient all-reduce (large) stays within a machine, not the stages.
+    stage_index, replica = divmod(rank, replicas)  # [08] as the mesh below lays the ranks out
     # Every rank shuffles alike and keeps every world_size-th sample: disjoint shares of 01's global batch.
     # Per replica: all its stages read the same batches (the first stage uses the images, the last the labels).
     sampler = DistributedSampler(train_set, num_replicas=replicas, rank=replica, seed=args.seed, drop_last=True)  # [08]
@@ -91,6 +86,14 @@ def main():
     # A disjoint slice per rank; DistributedSampler would pad the slices with repeats, counting some twice.
     test_shard = Subset(test_set, range(replica, len(test_set), replicas))  # [08]
     test_loader = data.BatchLoader(test_shard, batch_size, device=device, num_workers=args.num_workers)  # [04]
+
+    # After the checks of the input: a rank that stopped on bad input while the others connect would
+    # break their connections, and they would fail with a traceback instead of its one error line.
+    # 5 minutes, not gloo's 30 (NCCL's 10): a job whose rank died fails soon. device_id: NCCL joins its GPU now.
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=datetime.timedelta(minutes=5),  # [04]
+                            device_id=torch.device("cuda", local_rank) if device.type == "cuda" else None)  # [04]
+    preemption.connect()  # [04] its gloo group, now: a network that gloo cannot use fails here, not at step 1
+    mesh = init_device_mesh(device.type, (stages, replicas), mesh_dim_names=("pp", "dp"))  # [08]
 
     model = models.ResNet9(norm=args.norm, width=args.width)  # [08]
     # Every rank builds the whole model from one seed and keeps its stage's blocks: one process's initial weights.
