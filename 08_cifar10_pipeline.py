@@ -35,7 +35,9 @@ def parse_args():
     parser = flags.build_parser(__file__, __doc__, epochs=10, batch_size=256, lr=0.2)
     flags.add_cifar10_arguments(parser)
     flags.add_amp_argument(parser)  # [02]
-    parser.add_argument("--stages", type=flags.positive_int, help="pipeline stages (default: all ranks)")  # [08]
+    parser.add_argument("--stages", type=flags.positive_int,  # [08]
+                        help="pipeline stages (default: the most that divide the world size, up to 5 and to "  # [08]
+                        "--microbatches)")  # [08]
     parser.add_argument("--microbatches", type=flags.positive_int, default=4, help="per replica's batch")  # [08]
     parser.add_argument("--schedule", choices=list(SCHEDULES), default="1f1b", help="GPipe or 1F1B")  # [08]
     return parser.parse_args()
@@ -59,10 +61,14 @@ def main():
     amp_dtype = flags.AMP_DTYPES[args.amp]  # [02] None: plain fp32
     if args.amp == "fp16":  # [08] a step skipped for an overflow would have to be skipped by every stage
         raise utils.UsageError("--amp fp16: 08 has no loss scaling across pipeline stages; use --amp bf16")  # [08]
-    stages = args.stages or world_size  # [08]
+    # By default every rank a stage, within ResNet-9's 5 blocks and 1F1B's micro-batches (replicas take the rest).
+    most = min(world_size, len(models.RESNET9_BLOCKS), args.microbatches)  # [08]
+    stages = args.stages or max(count for count in range(1, most + 1) if world_size % count == 0)  # [08]
     if world_size % stages or stages > len(models.RESNET9_BLOCKS):  # [08]
         raise utils.UsageError(f"--stages {stages} must divide the world size {world_size} and be at most "  # [08]
                                f"{len(models.RESNET9_BLOCKS)}, ResNet-9's blocks")  # [08]
+    if args.schedule == "1f1b" and args.microbatches < stages:  # [08] its steady state: a micro-batch per stage
+        raise utils.UsageError(f"--schedule 1f1b needs at least as many --microbatches as --stages ({stages})")  # [08]
     replicas = world_size // stages  # [08] each replica is a whole pipeline
     if args.batch_size % (replicas * args.microbatches):  # [08] each replica cuts its share into micro-batches
         raise utils.UsageError(f"--batch-size {args.batch_size} is not divisible by {replicas} replica(s) x "  # [08]
@@ -161,7 +167,9 @@ def main():
     # The first replica's stages send rank 0 their parts, on the CPU (not on another rank's GPU), with ResNet9's keys.
     stage_part = {key: value.cpu() for key, value in model.state_dict().items()} if replica == 0 else {}  # [08]
     parts = [None] * world_size if rank == 0 else None  # [08]
-    dist.gather_object(stage_part, parts, dst=0)  # [08] a collective: every rank, outside the rank-0 branch
+    # A collective: every rank, outside the rank-0 branch. On gloo: under NCCL, gather_object would pad every
+    # rank's pickle to the largest and gather them all onto rank 0's GPU.
+    dist.gather_object(stage_part, parts, dst=0, group=dist.new_group(backend="gloo"))  # [08]
     if rank == 0:  # [04] one writer. No collective in here: the other ranks would never join it.
         whole = {key: value for part in parts for key, value in part.items()}  # [08]
         utils.save_atomic(whole, os.path.join(args.output_dir, "model.pt"))  # [08]
@@ -186,10 +194,14 @@ def train_one_epoch(args, schedule, stage, mesh, loader, optimizer, scheduler,  
         with torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None):  # [02]
             # Every micro-batch's forward and backward, in the schedule's order; the last stage computes the losses.
             schedule.step(*[images] if stage.is_first else [], target=labels, losses=losses)  # [08]
-        # The replicas average their gradients, as DDP does (DDP cannot wrap a stage: docs/pipeline-parallel.md).
-        for parameter in stage.submod.parameters():  # [08]
-            dist.all_reduce(parameter.grad, group=mesh["dp"].get_group())  # [08]
-            parameter.grad /= mesh["dp"].size()  # [08]
+        # The replicas average their gradients, as DDP does (DDP cannot wrap a stage: docs/pipeline-parallel.md),
+        # all of them in one all-reduce: one collective per step, not one per parameter.
+        gradients = [parameter.grad for parameter in stage.submod.parameters()]  # [08]
+        flat = torch.cat([gradient.flatten() for gradient in gradients])  # [08]
+        dist.all_reduce(flat, group=mesh["dp"].get_group())  # [08]
+        averaged = flat.div_(mesh["dp"].size()).split([gradient.numel() for gradient in gradients])  # [08]
+        for gradient, average in zip(gradients, averaged, strict=True):  # [08]
+            gradient.copy_(average.view_as(gradient))  # [08]
         optimizer.step()  # [08]
         scheduler.step()
         step += 1

@@ -63,7 +63,9 @@ def cases(tmp, port):
         "`--stages` that does not divide the world size (08)":
             (torchrun(2, "08_cifar10_pipeline.py", *SYNTHETIC_ARGS, "--stages", 3, *out), {}, {}),
         "more `--stages` than ResNet-9's 5 blocks (08)":
-            (torchrun(6, "08_cifar10_pipeline.py", *SYNTHETIC_ARGS, *out), {}, {}),
+            (torchrun(6, "08_cifar10_pipeline.py", *SYNTHETIC_ARGS, "--stages", 6, *out), {}, {}),
+        "fewer `--microbatches` than `--stages` under 1F1B (08)":
+            (torchrun(2, "08_cifar10_pipeline.py", *SYNTHETIC_ARGS, "--stages", 2, "--microbatches", 1, *out), {}, {}),
         "`--microbatches` that do not divide a replica's share of the batch (08)":
             (torchrun(2, "08_cifar10_pipeline.py", *SYNTHETIC_ARGS, "--microbatches", 5, *out), {}, {}),
         "`--amp fp16` in 08 (no loss scaling across pipeline stages)":

@@ -6,7 +6,7 @@ killed worker in tests/test_faults.py, bad input in tests/test_errors.py."""
 import json
 
 import pytest
-from jobs import SMALL_RESNET9, SMOKE_ARGS, run_job
+from jobs import SMALL_RESNET9, SMOKE_ARGS, SYNTHETIC_ARGS, run_job
 from launch import forked, python, torchrun
 from outputs import check_ok, check_smoke_run, read_metrics
 from resume import END_STEP, check_exact_resume
@@ -17,7 +17,7 @@ SCRIPT = "08_cifar10_pipeline.py"
 # Plain python, a world of one with one stage, runs below: the gradients' reference.
 @pytest.mark.full
 @pytest.mark.parametrize("nproc, args, stages", [
-    (2, [], 2),  # the default: as many stages as processes
+    (2, [], 2),  # the default: as many stages as processes, up to 5 and the 4 micro-batches
     (4, ["--stages", 2, "--schedule", "gpipe"], 2),  # 2 stages x 2 replicas
 ])
 def test_pipeline_step(nproc, args, stages, tmp_path):
@@ -25,6 +25,16 @@ def test_pipeline_step(nproc, args, stages, tmp_path):
     check_smoke_run(tmp_path, SCRIPT, world_size=nproc)  # model.pt: every stage's part, with ResNet9's keys
     assert (read_metrics(tmp_path)["stages"], read_metrics(tmp_path)["microbatches"]) == (stages, 4)
     assert result.stdout.count("epoch 1/1") == 1  # rank 0 alone prints
+
+
+@pytest.mark.full
+def test_eight_processes_default_to_4_stages_of_2_replicas(tmp_path):
+    """The README's command on a node of 8 GPUs: the stages default to the most that divide the world size within
+    ResNet-9's 5 blocks and the 4 micro-batches that 1F1B needs at least as many of. Small and one step: the
+    claim is the layout, on 8 processes sharing 2 cores."""
+    check_ok(run_job(torchrun(8, SCRIPT, *SYNTHETIC_ARGS, *SMALL_RESNET9, "--max-steps", 1, "--output-dir", tmp_path),
+                     timeout=300))
+    assert (read_metrics(tmp_path)["stages"], read_metrics(tmp_path)["world_size"]) == (4, 8)
 
 
 @pytest.mark.full

@@ -28,7 +28,7 @@ LESSONS = {
     "07": ["MixedPrecisionPolicy(", "fully_shard(", "get_model_state_dict(", "dcp.save(",
            "dcp.load(", "set_state_dict("],
     "08": ["init_device_mesh(", "models.pipeline_stage(", "PipelineStage(", "SCHEDULES[args.schedule](",
-           "schedule.step(", "dist.all_reduce(parameter.grad", "schedule.eval(", "dist.gather_object(", "dcp.save(",
+           "schedule.step(", "dist.all_reduce(flat", "schedule.eval(", "dist.gather_object(", "dcp.save(",
            "dcp.load("],
     "09": ["init_device_mesh(", "models.VisionTransformer(", "ColwiseParallel(", "RowwiseParallel(",
            "SequenceParallel(", "PrepareModuleInput(", "parallelize_module(", "fully_shard(block, mesh=",
