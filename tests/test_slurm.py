@@ -54,8 +54,8 @@ def test_slurm_job_trains_as_torchrun_does_also_when_its_time_limit_signal_reque
                                                                                        tmp_path):
     """The job scripts as written, #SBATCH --signal=B:USR1@120 and --requeue included. In the middle of the run,
     SIGUSR1 to the batch shell alone: what Slurm sends 2 minutes before the time limit. The job saves at one
-    step, goes back to the queue, starts again with --resume, and ends COMPLETED with the weights of the
-    torchrun run that nothing stopped."""
+    step, goes back to the queue, starts again and resumes by itself (04 reads SLURM_RESTART_COUNT), and ends
+    COMPLETED with the weights of the torchrun run that nothing stopped."""
     job_id = slurm.submit(script, *SLURM_JOB_ARGS, "--output-dir", tmp_path,
                           options=[*JOBS[script], f"--output={tmp_path}/slurm-%j.out"],
                           env={"MASTER_PORT": str(free_port())})
