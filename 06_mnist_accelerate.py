@@ -39,9 +39,19 @@ def main():
     # SIGTERM or SIGUSR1 (preemption, a time limit near): stop at a step that all ranks agree on, saved.
     preemption = distributed.Preemption()  # [04] before anything slow: the default action would kill the process
     utils.seed_everything(args.seed)
+    # Every check of the input before the process group, which `Accelerator` starts (04 says why). The launcher
+    # sets WORLD_SIZE; plain `python` is a world of one.
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))  # [06]
+    if args.batch_size % world_size:  # [06] --batch-size is global: each process takes an equal share
+        raise utils.UsageError(f"--batch-size {args.batch_size} is not divisible "  # [06]
+                               f"by the world size {world_size}")  # [06]
     # Before the process group, whose timeout a slow download would outlast (one process per machine downloads).
     if not args.synthetic:  # [06]
         data.download_mnist(args.data_dir)  # [06]
+    train_set, test_set = data.load_mnist(args.data_dir, args.synthetic, seed=args.seed)  # [06]
+    if args.batch_size > len(train_set):  # [06]
+        raise utils.UsageError(f"--batch-size {args.batch_size} is larger than the training set "  # [06]
+                               f"({len(train_set)})")  # [06]
     # One object does 04's set-up under any launcher: process group, rank, world size, device.
     accelerator = Accelerator(  # [06]
         cpu=not torch.cuda.is_available(),  # [06] without it, CPU processes under torchrun would each train alone
@@ -50,19 +60,13 @@ def main():
         dataloader_config=DataLoaderConfiguration(split_batches=True, non_blocking=True),  # [06]
         kwargs_handlers=[InitProcessGroupKwargs(timeout=datetime.timedelta(minutes=5))],  # [06] 04's short timeout
     )  # [06]
-    rank, world_size, device = accelerator.process_index, accelerator.num_processes, accelerator.device  # [06]
+    rank, device = accelerator.process_index, accelerator.device  # [06]
     preemption.connect()  # [06] its gloo group, now: a network that gloo cannot use fails here, not at step 1
     if device.type == "cuda":  # [02]
         utils.use_deterministic_kernels()  # [02] or --resume drifts from an uninterrupted run
     else:  # [02]
         distributed.print0("no GPU found: training on the CPU")  # [04]
-    if args.batch_size % world_size:  # [04] --batch-size is global: each process takes an equal share
-        raise utils.UsageError(f"--batch-size {args.batch_size} is not divisible "  # [04]
-                               f"by the world size {world_size}")  # [04]
 
-    train_set, test_set = data.load_mnist(args.data_dir, args.synthetic, seed=args.seed)  # [06]
-    if args.batch_size > len(train_set):
-        raise utils.UsageError(f"--batch-size {args.batch_size} is larger than the training set ({len(train_set)})")
     # 01's order, in global batches: `prepare` gives each process its share of every batch.
     sampler = DistributedSampler(train_set, num_replicas=1, rank=0, seed=args.seed)  # [06]
     # A torch DataLoader, which `prepare` can shard. Its own generator: otherwise each epoch's iterator

@@ -169,7 +169,8 @@ def main():
     parts = [None] * world_size if rank == 0 else None  # [08]
     # A collective: every rank, outside the rank-0 branch. On gloo: under NCCL, gather_object would pad every
     # rank's pickle to the largest and gather them all onto rank 0's GPU.
-    dist.gather_object(stage_part, parts, dst=0, group=dist.new_group(backend="gloo"))  # [08]
+    gather_group = dist.new_group(backend="gloo", timeout=datetime.timedelta(minutes=5))  # [08] not gloo's 30
+    dist.gather_object(stage_part, parts, dst=0, group=gather_group)  # [08]
     if rank == 0:  # [04] one writer. No collective in here: the other ranks would never join it.
         whole = {key: value for part in parts for key, value in part.items()}  # [08]
         utils.save_atomic(whole, os.path.join(args.output_dir, "model.pt"))  # [08]

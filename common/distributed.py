@@ -59,10 +59,10 @@ def should_resume(resume, checkpoint):
         dist.all_gather_object(seen, os.path.isfile(checkpoint))
     if not (resume or restarted and seen[0]):
         return False
-    blind = [rank for rank, found in enumerate(seen) if not found]
-    if seen[0] and blind:
-        raise UsageError(f"{checkpoint} is on rank 0's file system but rank(s) {', '.join(map(str, blind))} cannot "
-                         "see it: put --output-dir on a file system that every machine shares")
+    blind = [str(rank) for rank, found in enumerate(seen) if not found]
+    if blind and len(blind) < len(seen):  # none sees it: load_checkpoint's own error, on every rank
+        raise UsageError(f"rank(s) {', '.join(blind)} cannot see {checkpoint}, which the others see: put "
+                         "--output-dir on a file system that every machine shares")
     return True
 
 

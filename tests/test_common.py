@@ -322,13 +322,14 @@ def test_a_checkpoint_restores_on_fewer_visible_gpus(monkeypatch):
     assert torch.equal(generators[0], torch.tensor([5], dtype=torch.uint8))
 
 
-@pytest.mark.parametrize(("restarted", "seen_by", "expected"), [
-    (True, (0, 1), "resumes"),
-    (True, (0,), "rank(s) 1 cannot see it"),  # no file system shared with rank 0
-    (True, (1,), "starts over"),  # rank 0 decides: it sees no checkpoint
-    (False, (0, 1), "starts over"),  # neither --resume nor a restart: a first run in a used folder
+@pytest.mark.parametrize(("resume", "restarted", "seen_by", "expected"), [
+    (False, True, (0, 1), "resumes"),
+    (False, True, (0,), "rank(s) 1 cannot see"),  # no file system shared with rank 0
+    (False, True, (1,), "starts over"),  # rank 0 decides: it sees no checkpoint
+    (True, False, (1,), "rank(s) 0 cannot see"),  # --resume, and rank 0 alone cannot see it
+    (False, False, (0, 1), "starts over"),  # neither --resume nor a restart: a first run in a used folder
 ])
-def test_rank_0_decides_whether_to_resume_for_every_rank(restarted, seen_by, expected, tmp_path, monkeypatch):
+def test_rank_0_decides_whether_to_resume_for_every_rank(resume, restarted, seen_by, expected, tmp_path, monkeypatch):
     """Every rank passes the same path; each resolves it in a folder of its own, as on machines without a
     shared file system. The decision, or the error, is the same on every rank."""
     for rank in seen_by:
@@ -339,7 +340,7 @@ def test_rank_0_decides_whether_to_resume_for_every_rank(restarted, seen_by, exp
     def decide(rank):
         os.chdir(tmp_path / str(rank) if rank in seen_by else tmp_path)
         try:
-            return "resumes" if distributed.should_resume(False, "checkpoint.pt") else "starts over"
+            return "resumes" if distributed.should_resume(resume, "checkpoint.pt") else "starts over"
         except utils.UsageError as error:
             return str(error)
 
