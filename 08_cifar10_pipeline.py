@@ -6,7 +6,7 @@ in the order of a schedule (GPipe or 1F1B). World size / `--stages` replicas of 
 batch, as 04's ranks do. Each stage checkpoints its own part. Without GPUs: gloo on the CPU.
 
 Launch:
-    torchrun --nproc_per_node=N 08_cifar10_pipeline.py --amp bf16       # N GPUs on this machine, N stages
+    torchrun --nproc_per_node=N 08_cifar10_pipeline.py --amp bf16       # N GPUs on this machine: up to 4 stages
     torchrun --standalone --nproc_per_node=2 08_cifar10_pipeline.py --synthetic --epochs 1   # CPU (gloo), offline
     torchrun --standalone --nproc_per_node=4 08_cifar10_pipeline.py --synthetic --epochs 1 --stages 2   # 2 x 2
 """
