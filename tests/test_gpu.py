@@ -18,7 +18,7 @@ import pytest
 import torch
 from data_dirs import tiny_cifar10, tiny_mnist
 from jobs import MNIST_LR, SMOKE_ARGS, SMOKE_STEPS, run_job
-from launch import ON_GPU, python, torchrun
+from launch import ON_GPU, SCRIPTS, python, torchrun
 from outputs import check_ok, check_smoke_run
 from resume import check_exact_resume
 from torch.utils.data import DistributedSampler
@@ -104,21 +104,16 @@ def test_resume_of_the_multi_process_steps_on_a_gpu_is_exact(step, tmp_path):
     """In a world of one, bf16: DeepSpeed's engine (05), Accelerate's saved state (06), DCP checkpoints (07,
     09), the pipeline's schedule (08) and the transformer's attention kernels (09), over NCCL where the step
     starts a process group."""
-    script, data_maker = TWO_PROCESS_SCRIPTS[step], tiny_mnist if step == "06" else tiny_cifar10
+    script, data_maker = SCRIPTS[step], tiny_mnist if step == "06" else tiny_cifar10
     lr = MNIST_LR if step == "06" else []
     check_exact_resume(lambda *args: python(script, *args, *lr, "--amp", "bf16"), tmp_path, data_maker)
 
 
-TWO_PROCESS_SCRIPTS = {"04": "04_cifar10_ddp.py", "05": "05_cifar10_deepspeed.py", "06": "06_mnist_accelerate.py",
-                       "07": "07_cifar10_fsdp.py", "08": "08_cifar10_pipeline.py",
-                       "09": "09_cifar10_tensor_parallel.py"}
-
-
-@pytest.mark.parametrize(("step", "amp"), [case for case in AMP_CASES if case[0] in TWO_PROCESS_SCRIPTS])
+@pytest.mark.parametrize(("step", "amp"), [case for case in AMP_CASES if case[0] >= "04"])
 def test_two_processes_over_nccl(step, amp, tmp_path):
     """One process per GPU (run_job skips where there are fewer than 2): 08 as two stages, 09 as one
     tensor-parallel group of two."""
-    script = TWO_PROCESS_SCRIPTS[step]
+    script = SCRIPTS[step]
     lr = MNIST_LR if step == "06" else []
     check_ok(run_job(torchrun(2, script, *SMOKE_ARGS, *lr, "--amp", amp, "--output-dir", tmp_path), timeout=300))
     model_class = {"06": models.MnistCNN, "09": models.VisionTransformer}.get(step, models.ResNet9)
