@@ -1,12 +1,17 @@
-"""Accelerate template: copy it, replace build_model() and build_datasets(), keep the rest.
+"""Accelerate template: copy it, change the places marked YOUR (model, data, batch, optimizer), keep the rest.
 
-One `Accelerator` does the set-up under any launcher; `prepare` wraps model and optimizer (DDP) and
-shards the loaders; `backward`, `gather_for_metrics` and `save_state` do the rest. The tour's step 06
-(06_mnist_accelerate.py) explains each idea, docs/templates.md what to change.
+One `Accelerator` does the set-up under any launcher; `prepare` wraps model and optimizer (DDP) and shards the
+loaders; `backward`, `gather_for_metrics` and `save_state` do the rest. Step 06 (06_mnist_accelerate.py)
+explains each idea, docs/templates.md what to change.
 
     torchrun --standalone --nproc_per_node=2 templates/train_accelerate.py   # 2 processes: CPUs (gloo) or GPUs
     accelerate launch --multi_gpu --num_processes N templates/train_accelerate.py   # N GPUs, its launcher
-Each epoch ends with a checkpoint; a run with the same --output-dir and number of processes continues from it.
+    python templates/train_accelerate.py                                     # one process
+Checkpoints go to runs/<this file's name>/checkpoints at each epoch's end; the same command run again continues
+from the newest, at the same number of processes (one random state each). SIGTERM (preemption) stops every
+process at one step, saved there: exit status 75. So does SIGUSR1 (a time limit near), which torchrun passes on
+only if told:
+    torchrun --signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1 --shutdown-timeout=90 ...   # 90 s to save
 """
 
 import argparse
@@ -14,23 +19,33 @@ import datetime
 import gc
 import json
 import os
+import re
+import shutil
+import signal
 import sys
+import threading
+from multiprocessing import resource_tracker
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from accelerate import Accelerator
-from accelerate.utils import DataLoaderConfiguration, InitProcessGroupKwargs
+from accelerate.utils import DataLoaderConfiguration, InitProcessGroupKwargs, broadcast_object_list, get_int_from_env
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
+
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)  # preemption, a scheduler's time limit near
 
 
 def parse_args():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--epochs", type=int, default=5)
     parser.add_argument("--batch-size", type=int, default=96, help="global: all processes together")
-    parser.add_argument("--lr", type=float, default=0.05)
-    parser.add_argument("--output-dir", default="runs/template_accelerate")
+    parser.add_argument("--lr", type=float, default=0.05, help="the schedule's peak")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--num-workers", type=int, default=2, help="data-loader processes per rank")
+    parser.add_argument("--keep", type=int, default=2, help="checkpoints kept, the newest")
+    parser.add_argument("--output-dir", default=os.path.join("runs", Path(__file__).stem))
     return parser.parse_args()
 
 
@@ -40,91 +55,138 @@ def build_model():  # YOUR MODEL
                          nn.Sequential(nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(32, 10)))
 
 
-def build_datasets():  # YOUR DATA: a training and a test set of (input, label) pairs, the same on every rank
+def build_datasets():  # YOUR DATA: a training and a test set, the same on every rank
     # Stand-in images: 10 classes, each a smooth colour pattern under noise. 1,001 test samples: unequal slices.
     generator = torch.Generator().manual_seed(0)
     patterns = F.interpolate(torch.randn(10, 3, 4, 4, generator=generator), size=(16, 16), mode="bilinear")
+    labels = torch.randint(10, (4073,), generator=generator)
+    images = patterns[labels] + 3 * torch.randn(4073, 3, 16, 16, generator=generator)
+    return TensorDataset(images[:3072], labels[:3072]), TensorDataset(images[3072:], labels[3072:])
 
-    def make(count):
-        labels = torch.randint(10, (count,), generator=generator)
-        return TensorDataset(patterns[labels] + 3 * torch.randn(count, 3, 16, 16, generator=generator), labels)
 
-    return make(3072), make(1001)
+def forward(model, batch):  # YOUR BATCH, as your data set's samples make it: returns the logits and the labels
+    inputs, labels = batch
+    return model(inputs), labels
+
+
+def build_optimizer(model, args, total_steps):  # YOUR OPTIMIZER (--lr's default suits this SGD; AdamW: about 1e-3)
+    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
+    return optimizer, torch.optim.lr_scheduler.OneCycleLR(optimizer, args.lr, total_steps=total_steps)
 
 
 def main():
     args = parse_args()
-    rank, world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))  # from the launcher
-    if args.batch_size % world_size:  # every rank exits (rank 0 says why) before any waits for the others
-        sys.exit(f"error: --batch-size {args.batch_size} is not divisible by {world_size}" if rank == 0 else 2)
+    signalled = []  # a stop signal sets it; every step, the processes agree on it (below): none stops alone
+    for number in STOP_SIGNALS:  # (a thread that an import started may be the one that receives it)
+        signal.signal(number, lambda number, frame: signalled.append(number))
+    # torchrun and Slurm signal the data loader's worker processes too, which die of it mid-step. Blocked here,
+    # before any starts, the signals stay blocked in them; one thread waits for them instead. (Spawned workers
+    # need multiprocessing's resource tracker, which unblocks them where it starts: start it first.)
+    resource_tracker.ensure_running()
+    signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+    threading.Thread(target=lambda: signalled.append(signal.sigwait(STOP_SIGNALS)), daemon=True).start()
+    # The launcher's numbers: torchrun's, or mpirun's (Accelerate reads both).
+    rank = get_int_from_env(["RANK", "PMI_RANK", "OMPI_COMM_WORLD_RANK", "MV2_COMM_WORLD_RANK"], 0)
+    world_size = get_int_from_env(["WORLD_SIZE", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "MV2_COMM_WORLD_SIZE"], 1)
+    # `accelerate launch --num_processes N` without GPUs or mpirun starts one process, with only a master's port:
+    started_alone = "ACCELERATE_MIXED_PRECISION" in os.environ and "MASTER_PORT" in os.environ and world_size == 1
+    problem = ("accelerate launch started one process, not --num_processes (on CPUs, several need mpirun): use "
+               "torchrun --nproc_per_node=N" if started_alone
+               else f"--batch-size {args.batch_size} is not divisible by {world_size}" if args.batch_size % world_size
+               else f"--keep {args.keep}: keep at least 1" if args.keep < 1 else None)
+    if problem:  # every process exits (rank 0 says why) before any waits for the others
+        sys.exit(f"error: {problem}" if rank == 0 else 2)
     accelerator = Accelerator(
         cpu=not torch.cuda.is_available(),  # without it, CPU processes under torchrun would each train alone
         # --batch-size is global: `prepare` splits each batch. The seedable sampler shuffles by (seed, epoch).
-        dataloader_config=DataLoaderConfiguration(split_batches=True, use_seedable_sampler=True, data_seed=0),
-        # A short timeout: a job whose rank died fails in minutes instead of after the default 30.
+        dataloader_config=DataLoaderConfiguration(split_batches=True, use_seedable_sampler=True, data_seed=args.seed),
+        # A short timeout: a job whose rank died fails in minutes instead of after the default 30. (A model with
+        # parameters that some steps leave unused: add DistributedDataParallelKwargs(find_unused_parameters=True).)
         kwargs_handlers=[InitProcessGroupKwargs(timeout=datetime.timedelta(minutes=5))],
     )
     if accelerator.num_processes != world_size:  # N processes that each trained alone would look fine
         sys.exit(f"error: {world_size} processes, but Accelerate sees {accelerator.num_processes}" if rank == 0 else 2)
-    torch.manual_seed(0)  # the same initial weights everywhere (DDP also broadcasts rank 0's)
+    torch.manual_seed(args.seed)  # the same initial weights everywhere (DDP also broadcasts rank 0's)
     train_set, test_set = build_datasets()
     # Plain loaders: `prepare` shards them. The test loader's last batch is padded for an even split;
     # gather_for_metrics drops the padding again.
-    train_loader = DataLoader(train_set, batch_size=args.batch_size, shuffle=True, drop_last=True)
-    test_loader = DataLoader(test_set, batch_size=args.batch_size)  # split too: divisible by the processes
+    train_loader = DataLoader(train_set, args.batch_size, shuffle=True, drop_last=True, num_workers=args.num_workers)
+    test_loader = DataLoader(test_set, args.batch_size)  # split too: divisible by the processes
 
     model = build_model()
-    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
-    # Moves the model to the device and wraps it (DDP across processes), the optimizer and the loaders.
-    model, optimizer, train_loader, test_loader = accelerator.prepare(model, optimizer, train_loader, test_loader)
+    # What a checkpoint must come from to be continued here: it holds one random state per process.
+    run = {"--batch-size": args.batch_size, "--epochs": args.epochs, "--seed": args.seed, "processes": world_size,
+           "training samples": len(train_set), "parameters": {k: list(v.shape) for k, v in model.named_parameters()}}
+    checkpoints, total_steps = Path(args.output_dir, "checkpoints"), args.epochs * len(train_loader)
+    latest = latest_checkpoint(checkpoints, run, total_steps, rank)
+    if latest and latest["finished"]:  # exits 0, its outputs left as they are
+        accelerator.end_training()
+        return 0
+    optimizer, scheduler = build_optimizer(model, args, total_steps)
+    # Moves the model to the device and wraps it (DDP across processes), the optimizer, schedule and loaders.
+    model, optimizer, scheduler, train_loader, test_loader = accelerator.prepare(
+        model, optimizer, scheduler, train_loader, test_loader)
+    step = latest["step"] if latest else 0  # optimizer steps done, all epochs together
+    if latest:  # a rerun, or torchrun --max-restarts: continue where the last run stopped
+        accelerator.load_state(checkpoints / latest["name"])  # everything prepared, and the random states
 
-    checkpoints = Path(args.output_dir, "checkpoints")
-    start_epoch = 0
-    if (checkpoints / "latest").is_file():  # a rerun, or torchrun --max-restarts: continue
-        start_epoch = int((checkpoints / "latest").read_text()) + 1  # after the last complete epoch
-        accelerator.load_state(checkpoints / f"epoch{start_epoch - 1}")
-
-    for epoch in range(start_epoch, args.epochs):
+    stop = False  # becomes True on every process at the same step once any process was signalled
+    for epoch in range(step // len(train_loader), args.epochs):
         train_loader.set_epoch(epoch)  # the prepared loader's: without it, every epoch repeats one order
         model.train()
         loss_sum = torch.zeros(2, device=accelerator.device)  # loss sum, batches
-        for inputs, labels in train_loader:  # already on the device
-            loss = F.cross_entropy(model(inputs), labels)
+        # Trained before the run was stopped: skipped, without reading them.
+        done = step - epoch * len(train_loader)
+        for batch in accelerator.skip_first_batches(train_loader, done) if done > 0 else train_loader:
+            logits, labels = forward(model, batch)  # the batch is on the device already
+            loss = F.cross_entropy(logits, labels)
             optimizer.zero_grad(set_to_none=True)
             accelerator.backward(loss)  # instead of loss.backward(): scales the loss under fp16
             optimizer.step()
+            scheduler.step()
+            step += 1
             loss_sum += torch.stack([loss.detach(), torch.ones((), device=accelerator.device)])
+            if signalled:
+                accelerator.set_trigger()
+            stop = accelerator.check_trigger()  # every process, every step: one alone would hang the rest
+            if stop:
+                break
         loss_sum = accelerator.reduce(loss_sum)  # every rank calls it: a collective that one rank skips hangs
         if not loss_sum.isfinite().all():  # the same sum on every rank: all stop, before saving NaN weights
             sys.exit(f"error: the loss diverged in epoch {epoch + 1}: lower --lr" if rank == 0 else 2)
-        # Every process: the main one writes the model and optimizer, each its own random state.
-        accelerator.save_state(checkpoints / f"epoch{epoch}")
-        accelerator.wait_for_everyone()  # every file complete before `latest` names the checkpoint
+        # Every process: the main one writes the model, optimizer and schedule, each its own random state.
+        accelerator.save_state(checkpoints / f"step{step}")
+        accelerator.wait_for_everyone()  # every file complete before `latest.json` names the checkpoint
         if accelerator.is_main_process:  # no collective in here: the other ranks would never join it
             print(f"epoch {epoch + 1}/{args.epochs}  train_loss {(loss_sum[0] / loss_sum[1]).item():.4f}", flush=True)
-            # `latest` last, through a temporary file: a crash mid-save leaves it naming a complete checkpoint.
-            (checkpoints / "latest.tmp").write_text(str(epoch))
-            os.replace(checkpoints / "latest.tmp", checkpoints / "latest")
+            saved(checkpoints, {"name": f"step{step}", "epoch": epoch + 1, "step": step, "run": run}, args.keep)
+        if stop:
+            break
+    stop = bool(stop) and step < total_steps  # a signal in the last step: finished anyway
 
-    metrics = {"world_size": world_size, "epochs": args.epochs, **evaluate(model, test_loader, accelerator)}
-    if accelerator.is_main_process:
-        print(json.dumps(metrics), flush=True)
-        # unwrap_model takes the wrappers off: a plain state_dict, without "module." prefixes.
-        torch.save(accelerator.unwrap_model(model).state_dict(), os.path.join(args.output_dir, "model.pt"))
-        Path(args.output_dir, "metrics.json").write_text(json.dumps(metrics, indent=2))
+    if stop and accelerator.is_main_process:
+        print(f"preempted: stopped in epoch {epoch + 1}, saved; run again to continue", file=sys.stderr)
+    elif not stop:  # finished
+        metrics = {"world_size": world_size, "epochs": args.epochs, **evaluate(model, test_loader, accelerator)}
+        if accelerator.is_main_process:
+            print(json.dumps(metrics), flush=True)
+            # unwrap_model takes the wrappers off: a plain state_dict, without "module." prefixes.
+            torch.save(accelerator.unwrap_model(model).state_dict(), os.path.join(args.output_dir, "model.pt"))
+            Path(args.output_dir, "metrics.json").write_text(json.dumps(metrics, indent=2))
     accelerator.wait_for_everyone()  # leave together: the main process may still be writing
     # Free what holds the process group first: its gloo threads would outlive it and abort Python's shutdown.
-    del model, optimizer, train_loader, test_loader
+    del model, optimizer, scheduler, train_loader, test_loader
     gc.collect()
     accelerator.end_training()  # destroys the process group
+    return 75 if stop else 0  # 75 (EX_TEMPFAIL): stopped early and saved; run again to continue
 
 
 @torch.no_grad()
 def evaluate(model, loader, accelerator):  # over the whole test set, the same on every process
     model.eval()
     totals = torch.zeros(3, dtype=torch.float64, device=accelerator.device)  # loss sum, correct, samples
-    for inputs, labels in loader:
-        logits = model(inputs)  # DDP's forward gives every rank rank 0's BatchNorm statistics first
+    for batch in loader:
+        logits, labels = forward(model, batch)  # DDP's forward gives every rank rank 0's BatchNorm statistics first
         # Every process's results, less the samples repeated to pad the last batch: each counted once.
         logits, labels = accelerator.gather_for_metrics((logits, labels))
         totals += torch.stack([F.cross_entropy(logits, labels, reduction="sum"),
@@ -133,5 +195,38 @@ def evaluate(model, loader, accelerator):  # over the whole test set, the same o
     return {"test_loss": loss_sum / samples, "test_accuracy": correct / samples, "test_samples": int(samples)}
 
 
+def latest_checkpoint(checkpoints, run, total_steps, rank):
+    """The checkpoint to continue from, or None, as rank 0 sees it: sent to every rank (one that cannot see the
+    files would start over alone, and the collectives mis-pair). Another run's stops every rank, one line."""
+    latest = [json.loads((checkpoints / "latest.json").read_text())
+              if rank == 0 and (checkpoints / "latest.json").is_file() else None]
+    if latest[0]:  # finished: trained to the end, and its outputs written
+        latest[0]["finished"] = latest[0]["step"] == total_steps and (checkpoints.parent / "metrics.json").is_file()
+    broadcast_object_list(latest, from_process=0)
+    if latest[0] is None:
+        return None
+    path, written = checkpoints / latest[0]["name"], latest[0]["run"]
+    for setting, value in run.items():
+        if written.get(setting) != value:
+            what = "another model" if setting == "parameters" else f"{setting} {written.get(setting)}, this run {value}"
+            sys.exit(f"error: {path} was written with {what}: use the same or another --output-dir" if rank == 0 else 2)
+    if rank == 0:
+        print(f"nothing to train: {path} holds epoch {latest[0]['epoch']} of {run['--epochs']}"
+              if latest[0]["finished"]
+              else f"resumed from {path}: epoch {latest[0]['epoch']}, step {latest[0]['step']}", flush=True)
+    return latest[0]
+
+
+def saved(checkpoints, latest, keep):  # rank 0, once the checkpoint `latest` names is complete
+    # `latest.json` names it only now, through a temporary file: a crash leaves it naming a complete one.
+    (checkpoints / "latest.tmp").write_text(json.dumps(latest))
+    os.replace(checkpoints / "latest.tmp", checkpoints / "latest.json")
+    found = {int(match[1]): checkpoints / match[0] for path in checkpoints.iterdir()
+             if (match := re.fullmatch(r"step(\d+)(\.pt)?", path.name))}
+    kept = sorted(step for step in found if step <= latest["step"])[-keep:]
+    for path in [path for step, path in found.items() if step not in kept]:  # older, or a crashed run's later
+        shutil.rmtree(path) if path.is_dir() else path.unlink()
+
+
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

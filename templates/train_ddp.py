@@ -1,13 +1,15 @@
-"""DDP template: copy it, replace build_model() and build_datasets(), keep the rest.
+"""DDP template: copy it, change the places marked YOUR (model, data, batch, optimizer), keep the rest.
 
-One process per GPU (or per CPU share), each on its own share of every batch; DistributedDataParallel
-averages the gradients, so the replicas stay identical. PyTorch only; the tour's step 04
-(04_cifar10_ddp.py) explains each idea, docs/templates.md what to change.
+One process per GPU (or CPU share), each on its share of every batch; DistributedDataParallel averages the
+gradients. PyTorch only; step 04 (04_cifar10_ddp.py) explains each idea, docs/templates.md what to change.
 
     torchrun --standalone --nproc_per_node=2 templates/train_ddp.py     # 2 processes: CPUs (gloo) or GPUs (NCCL)
     torchrun --nproc_per_node=N templates/train_ddp.py --epochs 20      # N GPUs
-Each epoch ends with a checkpoint; a run with the same --output-dir continues from it. SIGTERM or SIGUSR1
-(preemption) stops every rank at one step, saved there: exit status 75.
+    python templates/train_ddp.py                                       # one process
+Checkpoints go to runs/<this file's name>/checkpoints at each epoch's end; the same command run again continues
+from the newest. SIGTERM (preemption) stops every rank at one
+step, saved there: exit status 75. So does SIGUSR1 (a time limit near), which torchrun passes on only if told:
+    torchrun --signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1 --shutdown-timeout=90 ...   # 90 s to save
 """
 
 import argparse
@@ -15,8 +17,13 @@ import datetime
 import gc
 import json
 import os
+import re
+import shutil
 import signal
 import sys
+import threading
+from collections.abc import Mapping
+from multiprocessing import resource_tracker
 from pathlib import Path
 
 import torch
@@ -26,13 +33,18 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, DistributedSampler, Subset, TensorDataset
 
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)  # preemption, a scheduler's time limit near
+
 
 def parse_args():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--epochs", type=int, default=5)
     parser.add_argument("--batch-size", type=int, default=96, help="global: all processes together")
-    parser.add_argument("--lr", type=float, default=0.05)
-    parser.add_argument("--output-dir", default="runs/template_ddp")
+    parser.add_argument("--lr", type=float, default=0.05, help="the schedule's peak")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--num-workers", type=int, default=2, help="data-loader processes per rank")
+    parser.add_argument("--keep", type=int, default=2, help="checkpoints kept, the newest")
+    parser.add_argument("--output-dir", default=os.path.join("runs", Path(__file__).stem))
     return parser.parse_args()
 
 
@@ -42,27 +54,48 @@ def build_model():  # YOUR MODEL
                          nn.Sequential(nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(32, 10)))
 
 
-def build_datasets():  # YOUR DATA: a training and a test set of (input, label) pairs, the same on every rank
+def build_datasets():  # YOUR DATA: a training and a test set, the same on every rank
     # Stand-in images: 10 classes, each a smooth colour pattern under noise. 1,001 test samples: unequal slices.
     generator = torch.Generator().manual_seed(0)
     patterns = F.interpolate(torch.randn(10, 3, 4, 4, generator=generator), size=(16, 16), mode="bilinear")
+    labels = torch.randint(10, (4073,), generator=generator)
+    images = patterns[labels] + 3 * torch.randn(4073, 3, 16, 16, generator=generator)
+    return TensorDataset(images[:3072], labels[:3072]), TensorDataset(images[3072:], labels[3072:])
 
-    def make(count):
-        labels = torch.randint(10, (count,), generator=generator)
-        return TensorDataset(patterns[labels] + 3 * torch.randn(count, 3, 16, 16, generator=generator), labels)
 
-    return make(3072), make(1001)
+def forward(model, batch):  # YOUR BATCH, as your data set's samples make it: returns the logits and the labels
+    inputs, labels = batch
+    return model(inputs), labels
+
+
+def build_optimizer(model, args, total_steps):  # YOUR OPTIMIZER (--lr's default suits this SGD; AdamW: about 1e-3)
+    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
+    return optimizer, torch.optim.lr_scheduler.OneCycleLR(optimizer, args.lr, total_steps=total_steps)
 
 
 def main():
     args = parse_args()
-    signalled = []  # SIGTERM, SIGUSR1: a flag, not the default action (death mid-step); the ranks agree below
-    for number in (signal.SIGTERM, signal.SIGUSR1):
+    signalled = []  # a stop signal sets it; every step, the ranks agree on it (below): none stops alone
+    for number in STOP_SIGNALS:  # (a thread that an import started may be the one that receives it)
         signal.signal(number, lambda number, frame: signalled.append(number))
-    # torchrun sets these for each process: its rank among all, its GPU on this machine, how many in all.
+    # torchrun and Slurm signal the data loader's worker processes too, which die of it mid-step. Blocked here,
+    # before any starts, the signals stay blocked in them; one thread waits for them instead. (Spawned workers
+    # need multiprocessing's resource tracker, which unblocks them where it starts: start it first.)
+    resource_tracker.ensure_running()
+    signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+    threading.Thread(target=lambda: signalled.append(signal.sigwait(STOP_SIGNALS)), daemon=True).start()
+    if "RANK" not in os.environ:  # plain `python`: a world of one (torchrun sets these for each process)
+        started = int(os.environ.get("SLURM_STEP_NUM_TASKS", os.environ.get("OMPI_COMM_WORLD_SIZE", 1)))
+        if started > 1:  # srun or mpirun started several: each would train alone, and all write the same files
+            sys.exit(f"error: {started} processes without RANK and WORLD_SIZE: start them with torchrun"
+                     if os.environ.get("SLURM_PROCID", os.environ.get("OMPI_COMM_WORLD_RANK")) == "0" else 2)
+        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT="0")
+    # Each process's rank among all, its GPU on this machine, how many in all.
     rank, local_rank, world_size = (int(os.environ[name]) for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE"))
-    if args.batch_size % world_size:  # every rank exits (rank 0 says why) before any waits for the others
-        sys.exit(f"error: --batch-size {args.batch_size} is not divisible by {world_size}" if rank == 0 else 2)
+    problem = (f"--batch-size {args.batch_size} is not divisible by {world_size}" if args.batch_size % world_size
+               else f"--keep {args.keep}: keep at least 1" if args.keep < 1 else None)
+    if problem:  # every rank exits (rank 0 says why) before any waits for the others
+        sys.exit(f"error: {problem}" if rank == 0 else 2)
     device = torch.device("cuda", local_rank) if torch.cuda.is_available() else torch.device("cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)  # before any CUDA work, or every process would use GPU 0
@@ -71,41 +104,51 @@ def main():
                             device_id=device if device.type == "cuda" else None)  # NCCL: bound to this GPU
     # The stop flag's all-reduce: on the CPU (no GPU sync per step), with the same short timeout (a new group's is 30).
     stop_group = dist.new_group(backend="gloo", timeout=datetime.timedelta(minutes=5))
-    torch.manual_seed(0)  # the same initial weights everywhere (DDP also broadcasts rank 0's)
+    torch.manual_seed(args.seed)  # the same initial weights everywhere (DDP also broadcasts rank 0's)
     train_set, test_set = build_datasets()
     # Each rank keeps every world_size-th sample of one shuffle that every rank draws alike: disjoint shares.
-    sampler = DistributedSampler(train_set, num_replicas=world_size, rank=rank, shuffle=True, seed=0, drop_last=True)
-    train_loader = DataLoader(train_set, batch_size=args.batch_size // world_size, sampler=sampler, drop_last=True)
+    sampler = DistributedSampler(train_set, world_size, rank, shuffle=True, seed=args.seed, drop_last=True)
+    train_loader = DataLoader(train_set, args.batch_size // world_size, sampler=sampler, drop_last=True,
+                              num_workers=args.num_workers, pin_memory=device.type == "cuda")
     # Evaluation: a disjoint slice per rank. DistributedSampler would pad the slices with repeated samples.
-    test_loader = DataLoader(Subset(test_set, range(rank, len(test_set), world_size)), batch_size=256)
+    test_loader = DataLoader(Subset(test_set, range(rank, len(test_set), world_size)), 256)
 
-    model = build_model().to(device)
-    # Broadcasts rank 0's weights now; averages the gradients during every backward.
-    model = DistributedDataParallel(model, device_ids=[local_rank] if device.type == "cuda" else None)
-    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
-
-    checkpoint_path = os.path.join(args.output_dir, "checkpoint.pt")
-    start_epoch, start_batch = 0, 0
-    if os.path.isfile(checkpoint_path):  # a rerun, or torchrun --max-restarts: continue where the last run stopped
+    model = build_model()
+    # What a checkpoint must come from to be continued here (the number of processes may change).
+    run = {"--batch-size": args.batch_size, "--epochs": args.epochs, "--seed": args.seed,
+           "training samples": len(train_set), "parameters": {k: list(v.shape) for k, v in model.named_parameters()}}
+    checkpoints, total_steps = Path(args.output_dir, "checkpoints"), args.epochs * len(train_loader)
+    latest = latest_checkpoint(checkpoints, run, total_steps, rank)
+    if latest and latest["finished"]:  # exits 0, its outputs left as they are
+        dist.destroy_process_group()
+        return 0
+    # Broadcasts rank 0's weights now; averages the gradients during every backward. A model with parameters that
+    # some steps leave unused needs find_unused_parameters=True (DDP's error says so): a graph search every step.
+    model = DistributedDataParallel(model.to(device), device_ids=[local_rank] if device.type == "cuda" else None)
+    optimizer, scheduler = build_optimizer(model, args, total_steps)
+    step = latest["step"] if latest else 0  # optimizer steps done, all epochs together
+    if latest:  # a rerun, or torchrun --max-restarts: continue where the last run stopped
         # map_location: tensors saved from cuda:0 would otherwise all land on GPU 0.
-        checkpoint = torch.load(checkpoint_path, map_location=device, weights_only=True)
-        model.module.load_state_dict(checkpoint["model"])  # the plain module's keys, without "module."
-        optimizer.load_state_dict(checkpoint["optimizer"])
-        start_epoch, start_batch = divmod(checkpoint["steps"], len(train_loader))  # where the last run stopped
+        state = torch.load(checkpoints / latest["name"], map_location=device, weights_only=True)
+        model.module.load_state_dict(state["model"])  # the plain module's keys, without "module."
+        optimizer.load_state_dict(state["optimizer"])
+        scheduler.load_state_dict(state["scheduler"])
 
     stop = torch.tensor(0)  # becomes 1 on every rank at the same step once any rank was signalled
-    for epoch in range(start_epoch, args.epochs):
+    for epoch in range(step // len(train_loader), args.epochs):
         sampler.set_epoch(epoch)  # without it, every epoch repeats the first one's order
         model.train()
         loss_sum = torch.zeros(2, device=device)  # loss sum, batches
-        for batch, (inputs, labels) in enumerate(train_loader):
-            if epoch == start_epoch and batch < start_batch:  # trained before the run was stopped
+        for batch_index, batch in enumerate(train_loader):
+            if epoch * len(train_loader) + batch_index < step:  # trained before the run was stopped: read, skipped
                 continue
-            inputs, labels = inputs.to(device), labels.to(device)
-            loss = F.cross_entropy(model(inputs), labels)
+            logits, labels = forward(model, to_device(batch, device))
+            loss = F.cross_entropy(logits, labels)
             optimizer.zero_grad(set_to_none=True)
             loss.backward()  # DDP all-reduces the gradients here, bucket by bucket
             optimizer.step()
+            scheduler.step()
+            step += 1
             loss_sum += torch.stack([loss.detach(), torch.ones((), device=device)])
             stop = torch.tensor(int(bool(signalled)))  # every rank, every step: one rank alone would hang the rest
             dist.all_reduce(stop, op=dist.ReduceOp.MAX, group=stop_group)
@@ -116,13 +159,16 @@ def main():
             sys.exit(f"error: the loss diverged in epoch {epoch + 1}: lower --lr" if rank == 0 else 2)
         if rank == 0:  # no collective in here: the other ranks would never join it
             print(f"epoch {epoch + 1}/{args.epochs}  train_loss {(loss_sum[0] / loss_sum[1]).item():.4f}", flush=True)
-            os.makedirs(args.output_dir, exist_ok=True)
-            # Through a temporary file: a crash mid-write leaves the previous checkpoint whole.
+            name = f"step{step}.pt"
+            checkpoints.mkdir(parents=True, exist_ok=True)
+            # Through a temporary file: a crash mid-write leaves no half-written checkpoint under the final name.
             torch.save({"model": model.module.state_dict(), "optimizer": optimizer.state_dict(),
-                        "steps": epoch * len(train_loader) + batch + 1}, checkpoint_path + ".tmp")
-            os.replace(checkpoint_path + ".tmp", checkpoint_path)
+                        "scheduler": scheduler.state_dict()}, checkpoints / f"{name}.tmp")
+            os.replace(checkpoints / f"{name}.tmp", checkpoints / name)
+            saved(checkpoints, {"name": name, "epoch": epoch + 1, "step": step, "run": run}, args.keep)
         if stop:
             break
+    stop = bool(stop) and step < total_steps  # a signal in the last step: finished anyway
 
     if stop and rank == 0:
         print(f"preempted: stopped in epoch {epoch + 1}, saved; run again to continue", file=sys.stderr)
@@ -134,7 +180,7 @@ def main():
             Path(args.output_dir, "metrics.json").write_text(json.dumps(metrics, indent=2))
     dist.barrier()  # leave together: rank 0 may still be writing
     # Free what holds the process group first: its gloo threads would outlive it and abort Python's shutdown.
-    del model, optimizer
+    del model, optimizer, scheduler
     gc.collect()
     dist.destroy_process_group()
     return 75 if stop else 0  # 75 (EX_TEMPFAIL): stopped early and saved; run again to continue
@@ -142,20 +188,60 @@ def main():
 
 @torch.no_grad()
 def evaluate(model, loader, device):  # over the whole test set: each rank's slice, summed
-    # Rank 0's BatchNorm statistics everywhere (each rank's followed its own batches), and the plain
-    # module: DDP's forward could call a collective that a rank with fewer test batches never joins.
+    # Rank 0's BatchNorm statistics everywhere; the plain module: DDP's forward may call a collective.
     for buffer in model.module.buffers():
         dist.broadcast(buffer, src=0)
     model.eval()
     totals = torch.zeros(3, dtype=torch.float64, device=device)  # loss sum, correct, samples
-    for inputs, labels in loader:
-        inputs, labels = inputs.to(device), labels.to(device)
-        logits = model.module(inputs)
+    for batch in loader:
+        logits, labels = forward(model.module, to_device(batch, device))
         totals += torch.stack([F.cross_entropy(logits, labels, reduction="sum"),
                                (logits.argmax(1) == labels).sum(), labels.new_tensor(len(labels))]).to(totals)
     dist.all_reduce(totals)  # the sum over the ranks' disjoint slices: each test sample counted once
     loss_sum, correct, samples = totals.tolist()
     return {"test_loss": loss_sum / samples, "test_accuracy": correct / samples, "test_samples": int(samples)}
+
+
+def to_device(batch, device):  # every tensor of a batch, in tuples, lists and dicts (the structure is YOUR DATA's)
+    if isinstance(batch, Mapping):
+        return {key: to_device(value, device) for key, value in batch.items()}
+    if isinstance(batch, (list, tuple)):
+        moved = [to_device(value, device) for value in batch]
+        return type(batch)(*moved) if hasattr(batch, "_fields") else moved  # a namedtuple keeps its names
+    return batch.to(device, non_blocking=True) if hasattr(batch, "to") else batch
+
+
+def latest_checkpoint(checkpoints, run, total_steps, rank):
+    """The checkpoint to continue from, or None, as rank 0 sees it: sent to every rank (one that cannot see the
+    files would start over alone, and the collectives mis-pair). Another run's stops every rank, one line."""
+    latest = [json.loads((checkpoints / "latest.json").read_text())
+              if rank == 0 and (checkpoints / "latest.json").is_file() else None]
+    if latest[0]:  # finished: trained to the end, and its outputs written
+        latest[0]["finished"] = latest[0]["step"] == total_steps and (checkpoints.parent / "metrics.json").is_file()
+    dist.broadcast_object_list(latest, src=0)
+    if latest[0] is None:
+        return None
+    path, written = checkpoints / latest[0]["name"], latest[0]["run"]
+    for setting, value in run.items():
+        if written.get(setting) != value:
+            what = "another model" if setting == "parameters" else f"{setting} {written.get(setting)}, this run {value}"
+            sys.exit(f"error: {path} was written with {what}: use the same or another --output-dir" if rank == 0 else 2)
+    if rank == 0:
+        print(f"nothing to train: {path} holds epoch {latest[0]['epoch']} of {run['--epochs']}"
+              if latest[0]["finished"]
+              else f"resumed from {path}: epoch {latest[0]['epoch']}, step {latest[0]['step']}", flush=True)
+    return latest[0]
+
+
+def saved(checkpoints, latest, keep):  # rank 0, once the checkpoint `latest` names is complete
+    # `latest.json` names it only now, through a temporary file: a crash leaves it naming a complete one.
+    (checkpoints / "latest.tmp").write_text(json.dumps(latest))
+    os.replace(checkpoints / "latest.tmp", checkpoints / "latest.json")
+    found = {int(match[1]): checkpoints / match[0] for path in checkpoints.iterdir()
+             if (match := re.fullmatch(r"step(\d+)(\.pt)?", path.name))}
+    kept = sorted(step for step in found if step <= latest["step"])[-keep:]
+    for path in [path for step, path in found.items() if step not in kept]:  # older, or a crashed run's later
+        shutil.rmtree(path) if path.is_dir() else path.unlink()
 
 
 if __name__ == "__main__":

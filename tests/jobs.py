@@ -145,8 +145,8 @@ def processes_per_machine(command):
     return 1
 
 
-def run_job(command, timeout=180, env=None, poll=None, more_processes_than_gpus=False):
-    """Run `command` in the repository root; a job that outlasts `timeout` is killed, with every
+def run_job(command, timeout=180, env=None, poll=None, more_processes_than_gpus=False, cwd=ROOT):
+    """Run `command` in `cwd` (the repository root); a job that outlasts `timeout` is killed, with every
     process below it, and fails the test.
 
     `poll(process)`, if given, is called about every 0.1 s while the job runs (to inject a fault).
@@ -155,7 +155,7 @@ def run_job(command, timeout=180, env=None, poll=None, more_processes_than_gpus=
     if ON_GPU and not more_processes_than_gpus and processes_per_machine(command) > torch.cuda.device_count():
         pytest.skip(f"{processes_per_machine(command)} processes need as many GPUs; "
                     f"this machine has {torch.cuda.device_count()}")
-    process = subprocess.Popen(command, cwd=ROOT, env=environment(env), stdout=subprocess.PIPE,
+    process = subprocess.Popen(command, cwd=cwd, env=environment(env), stdout=subprocess.PIPE,
                                stderr=subprocess.PIPE, text=True, start_new_session=True)
     deadline = time.monotonic() + timeout
     try:
