@@ -39,7 +39,7 @@ WRAPPERS = ("benchmarks/float64.py", "benchmarks/nondeterministic.py")
 JOB_SCRIPTS = {f"slurm/{path.name}": re.search(r"\b0\d_\w+\.py\b", path.read_text()).group(0)
                for path in sorted((ROOT / "slurm").glob("*.sbatch"))}
 # Files that the runs write, not files of the repository.
-OUTPUTS = {"metrics.json"}
+OUTPUTS = {"metrics.json", "latest.json"}  # what a run writes
 README_WORDS = 2500
 # A Python block that quotes a script has a caption naming it on the line before: From `04_cifar10_ddp.py`:
 QUOTE = re.compile(r"^From `([\w./-]+\.py)`:\n```python\n(.*?)^```", re.S | re.M)
