@@ -24,6 +24,7 @@ import shutil
 import signal
 import sys
 import threading
+import traceback
 from multiprocessing import resource_tracker
 from pathlib import Path
 
@@ -88,14 +89,17 @@ def main():
     # The launcher's numbers: torchrun's, or mpirun's (Accelerate reads both).
     rank = get_int_from_env(["RANK", "PMI_RANK", "OMPI_COMM_WORLD_RANK", "MV2_COMM_WORLD_RANK"], 0)
     world_size = get_int_from_env(["WORLD_SIZE", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "MV2_COMM_WORLD_SIZE"], 1)
-    # `accelerate launch --num_processes N` without GPUs or mpirun starts one process, with only a master's port:
-    started_alone = "ACCELERATE_MIXED_PRECISION" in os.environ and "MASTER_PORT" in os.environ and world_size == 1
+    # `accelerate launch --num_processes N` without GPUs or mpirun starts one process, with only a master's port
+    # (or the caller's); srun starts N, each alone. Either way N processes would look like one.
+    started_alone = "ACCELERATE_USE_CPU" in os.environ and "MASTER_PORT" in os.environ and world_size == 1
+    srun_tasks = int(os.environ.get("SLURM_STEP_NUM_TASKS", 1)) if world_size == 1 else 1
     problem = ("accelerate launch started one process, not --num_processes (on CPUs, several need mpirun): use "
-               "torchrun --nproc_per_node=N" if started_alone
+               "torchrun --nproc_per_node=N (or unset MASTER_PORT)" if started_alone
+               else f"srun started {srun_tasks} processes, each alone: start them with torchrun" if srun_tasks > 1
                else f"--batch-size {args.batch_size} is not divisible by {world_size}" if args.batch_size % world_size
                else f"--keep {args.keep}: keep at least 1" if args.keep < 1 else None)
     if problem:  # every process exits (rank 0 says why) before any waits for the others
-        sys.exit(f"error: {problem}" if rank == 0 else 2)
+        sys.exit(f"error: {problem}" if rank == 0 and os.environ.get("SLURM_PROCID", "0") == "0" else 2)
     accelerator = Accelerator(
         cpu=not torch.cuda.is_available(),  # without it, CPU processes under torchrun would each train alone
         # --batch-size is global: `prepare` splits each batch. The seedable sampler shuffles by (seed, epoch).
@@ -115,13 +119,16 @@ def main():
 
     model = build_model()
     # What a checkpoint must come from to be continued here: it holds one random state per process.
-    run = {"--batch-size": args.batch_size, "--epochs": args.epochs, "--seed": args.seed, "processes": world_size,
-           "training samples": len(train_set), "parameters": {k: list(v.shape) for k, v in model.named_parameters()}}
+    run = {"--batch-size": args.batch_size, "--epochs": args.epochs, "--lr": args.lr, "--seed": args.seed,
+           "processes": world_size, "training samples": len(train_set),
+           "parameters": {k: list(v.shape) for k, v in model.named_parameters()}}
     checkpoints, total_steps = Path(args.output_dir, "checkpoints"), args.epochs * len(train_loader)
     latest = latest_checkpoint(checkpoints, run, total_steps, rank)
     if latest and latest["finished"]:  # exits 0, its outputs left as they are
         accelerator.end_training()
         return 0
+    if accelerator.is_main_process:  # an earlier run's outputs: "finished" means this run wrote them
+        Path(args.output_dir, "metrics.json").unlink(missing_ok=True)
     optimizer, scheduler = build_optimizer(model, args, total_steps)
     # Moves the model to the device and wraps it (DDP across processes), the optimizer, schedule and loaders.
     model, optimizer, scheduler, train_loader, test_loader = accelerator.prepare(
@@ -229,4 +236,9 @@ def saved(checkpoints, latest, keep):  # rank 0, once the checkpoint `latest` na
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        sys.exit(main())
+    except Exception:  # its traceback keeps the loader's workers alive, and they ignore SIGTERM: Python's exit
+        traceback.print_exc()  # would wait for them forever, so end here (skipping atexit handlers)
+        sys.stderr.flush()
+        os._exit(1)

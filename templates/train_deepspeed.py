@@ -24,6 +24,7 @@ import shutil
 import signal
 import sys
 import threading
+import traceback
 from collections.abc import Mapping
 from multiprocessing import resource_tracker
 from pathlib import Path
@@ -37,6 +38,9 @@ from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler, Subset, TensorDataset
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)  # preemption, a scheduler's time limit near
+# How srun and the MPIs number the processes they start (size, rank): not as torchrun does.
+STARTED_BY = (("SLURM_STEP_NUM_TASKS", "SLURM_PROCID"), ("OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_RANK"),
+              ("PMI_SIZE", "PMI_RANK"), ("MV2_COMM_WORLD_SIZE", "MV2_COMM_WORLD_RANK"))
 
 
 def parse_args():
@@ -89,10 +93,10 @@ def main():
     signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
     threading.Thread(target=lambda: signalled.append(signal.sigwait(STOP_SIGNALS)), daemon=True).start()
     if "RANK" not in os.environ:  # plain `python`: a world of one (the launchers set these for each process)
-        started = int(os.environ.get("SLURM_STEP_NUM_TASKS", os.environ.get("OMPI_COMM_WORLD_SIZE", 1)))
-        if started > 1:  # srun or mpirun started several: each would train alone, and all write the same files
-            sys.exit(f"error: {started} processes without RANK and WORLD_SIZE: start them with torchrun"
-                     if os.environ.get("SLURM_PROCID", os.environ.get("OMPI_COMM_WORLD_RANK")) == "0" else 2)
+        for size, rank_name in STARTED_BY:  # several: each would train alone, and all write the same files
+            if int(os.environ.get(size, 1)) > 1:
+                sys.exit(f"error: {os.environ[size]} processes without RANK and WORLD_SIZE: start them with "
+                         "torchrun" if os.environ.get(rank_name) == "0" else 2)
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT="0")
     # Each process's rank among all, its GPU on this machine, how many in all.
     rank, local_rank, world_size = (int(os.environ[name]) for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE"))
@@ -121,13 +125,16 @@ def main():
 
     model = build_model()
     # What a checkpoint must come from to be continued here: ZeRO's shards are one per process.
-    run = {"--batch-size": args.batch_size, "--epochs": args.epochs, "--seed": args.seed, "processes": world_size,
-           "training samples": len(train_set), "parameters": {k: list(v.shape) for k, v in model.named_parameters()}}
+    run = {"--batch-size": args.batch_size, "--epochs": args.epochs, "--lr": args.lr, "--seed": args.seed,
+           "processes": world_size, "training samples": len(train_set),
+           "parameters": {k: list(v.shape) for k, v in model.named_parameters()}}
     checkpoints, total_steps = Path(args.output_dir, "checkpoints"), args.epochs * len(train_loader)
     latest = latest_checkpoint(checkpoints, run, total_steps, rank)
     if latest and latest["finished"]:  # exits 0, its outputs left as they are
         dist.destroy_process_group()
         return 0
+    if rank == 0:  # an earlier run's outputs: "finished" means this run wrote them
+        Path(args.output_dir, "metrics.json").unlink(missing_ok=True)
     model = model.to(device)
     optimizer, scheduler = build_optimizer(model, args, total_steps)
     config = {  # DeepSpeed's settings (a ds_config.json file elsewhere); the batch sizes must agree
@@ -254,4 +261,9 @@ def saved(checkpoints, latest, keep):  # rank 0, once the checkpoint `latest` na
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        sys.exit(main())
+    except Exception:  # its traceback keeps the loader's workers alive, and they ignore SIGTERM: Python's exit
+        traceback.print_exc()  # would wait for them forever, so end here (skipping atexit handlers)
+        sys.stderr.flush()
+        os._exit(1)

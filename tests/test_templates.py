@@ -1,5 +1,5 @@
 """The templates (templates/), launched as a user launches them: `torchrun --standalone --nproc_per_node=N
-templates/train_NAME.py`, plain `python`, and their library's launcher. At 2 and 3 processes each exits 0,
+templates/train_NAME.py`, plain `python`, and their library's launcher. At 2 processes each exits 0,
 learns and counts every test sample once. Adapted as a user adapts them (their model, data, batch and optimizer
 in the marked places), each survives SIGTERM with its loader workers and continues to an uninterrupted run's
 weights; a finished run says so and leaves its outputs alone; a checkpoint of other settings is refused in one
@@ -264,6 +264,32 @@ def test_a_users_copy_runs_under_plain_python_and_its_librarys_launcher(name, tm
                         "error: accelerate launch started one process, not --num_processes")
 
 
+# A user's data set that fails in the loader's worker process, in the middle of the first epoch.
+FAILING_DATA = """
+def build_datasets():  # YOUR DATA
+    class Failing(torch.utils.data.Dataset):
+        def __len__(self):
+            return 192
+
+        def __getitem__(self, index):
+            if index == 100:
+                raise ValueError("a corrupt sample")
+            return torch.zeros(3, 8, 8), 0
+
+    return Failing(), Failing()
+"""
+
+
+@pytest.mark.full
+@pytest.mark.parametrize("name", STEPS)
+def test_a_users_data_that_fails_in_a_loader_worker_ends_the_run(name, tmp_path):
+    """A traceback keeps the loader's workers alive, and they ignore SIGTERM (the template blocks it before they
+    start): Python's own exit would wait for them forever. Each template prints the traceback and exits 1."""
+    script = adapted(name, {"build_datasets": FAILING_DATA}, tmp_path / "train.py")
+    failed = run_job(python(script, "--epochs", 1, "--batch-size", 32, "--output-dir", tmp_path / "out"), timeout=120)
+    assert failed.returncode == 1 and "ValueError: a corrupt sample" in failed.stderr, failed.stderr[-3000:]
+
+
 @pytest.mark.full
 @pytest.mark.parametrize("name", STEPS)
 def test_a_diverged_run_stops_with_one_error_before_it_saves(name, tmp_path):
@@ -396,5 +422,5 @@ def test_template_is_self_contained_and_short(name):
     assert not {module for module in modules if module.split(".")[0] == "common"}
     assert "# YOUR MODEL" in source and "# YOUR DATA" in source
     # Short enough to read at once: what a copy needs on a cluster (preemption with loader workers, checkpoints that
-    # know their run and are pruned, any launch, any batch) took each from 137-164 lines to 232-278.
-    assert 80 <= len(source.splitlines()) <= 280
+    # know their run and are pruned, any launch, any batch, a crash that ends) took each from 137-164 lines to 244-289.
+    assert 80 <= len(source.splitlines()) <= 290
