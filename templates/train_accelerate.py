@@ -93,11 +93,14 @@ def main():
     # (or the caller's); srun starts N, each alone. Either way N processes would look like one.
     started_alone = "ACCELERATE_USE_CPU" in os.environ and "MASTER_PORT" in os.environ and world_size == 1
     srun_tasks = int(os.environ.get("SLURM_STEP_NUM_TASKS", 1)) if world_size == 1 else 1
-    problem = ("accelerate launch started one process, not --num_processes (on CPUs, several need mpirun): use "
-               "torchrun --nproc_per_node=N (or unset MASTER_PORT)" if started_alone
-               else f"srun started {srun_tasks} processes, each alone: start them with torchrun" if srun_tasks > 1
-               else f"--batch-size {args.batch_size} is not divisible by {world_size}" if args.batch_size % world_size
-               else f"--keep {args.keep}: keep at least 1" if args.keep < 1 else None)
+    problems = {  # message: whether it holds; the first that holds is reported
+        "accelerate launch started one process, not --num_processes (on CPUs, several need mpirun): use "
+        "torchrun --nproc_per_node=N (or unset MASTER_PORT)": started_alone,
+        f"srun started {srun_tasks} processes, each alone: start them with torchrun": srun_tasks > 1,
+        f"--batch-size {args.batch_size} is not divisible by {world_size}": args.batch_size % world_size,
+        f"--keep {args.keep}: keep at least 1": args.keep < 1,
+    }
+    problem = next((message for message, holds in problems.items() if holds), None)
     if problem:  # every process exits (rank 0 says why) before any waits for the others
         sys.exit(f"error: {problem}" if rank == 0 and os.environ.get("SLURM_PROCID", "0") == "0" else 2)
     accelerator = Accelerator(
