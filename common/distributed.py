@@ -124,9 +124,10 @@ class Preemption:
         # starts again.
         resource_tracker.ensure_running()
         signal.pthread_sigmask(signal.SIG_BLOCK, self.STOP_SIGNALS)
-        if Preemption._latest is None:
+        # Named before the thread starts: a signal already pending reaches it at once.
+        first, Preemption._latest = Preemption._latest is None, self
+        if first:
             threading.Thread(target=Preemption._wait, name="preemption", daemon=True).start()
-        Preemption._latest = self
 
     def _handle(self, number, frame=None):
         self.signal = self.signal or signal.Signals(number).name
