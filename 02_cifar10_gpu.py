@@ -13,7 +13,6 @@ Next: 03_cifar10_dataparallel.py uses every GPU of the machine from this one pro
 """
 
 import os
-import time
 
 import torch
 import torch.nn.functional as F
@@ -63,45 +62,21 @@ def main():
     if args.resume:
         step, start_epoch = load_checkpoint(args, model, optimizer, scheduler, scaler, device)  # [02]
 
-    meter = utils.Throughput()
-    start_time = time.perf_counter()
-    history = []  # per epoch, for benchmarks/report.py
+    record = utils.RunRecord(__file__, args, len(train_loader), device, amp=args.amp)  # [02]
     for epoch in range(start_epoch, args.epochs):
         sampler.set_epoch(epoch)
         train_set.set_epoch(epoch)  # augmentation draws depend on (seed, epoch, sample) only
-        meter.start()
+        record.start_training()
         train_loss, new_step = train_one_epoch(args, model, train_loader, optimizer, scheduler,
                                                scaler, amp_dtype, device, epoch, step, last_step)  # [02]
-        meter.stop((new_step - step) * args.batch_size)
+        record.stop_training((new_step - step) * args.batch_size)
         step = new_step
         test_loss, test_accuracy, test_samples = evaluate(model, test_loader, device, amp_dtype, args.tta)  # [02]
-        utils.check_finite(test_loss, step, "test")  # weights that are no longer numbers: write nothing from them
-        history.append({"step": step, "elapsed_seconds": time.perf_counter() - start_time, "train_loss": train_loss,
-                        "test_loss": test_loss, "test_accuracy": test_accuracy})
-        print(
-            f"epoch {epoch + 1}/{args.epochs}  step {step}  train_loss {train_loss:.4f}  "
-            f"test_loss {test_loss:.4f}  test_accuracy {test_accuracy:.4f}  "
-            f"samples/s {meter.samples_per_second:.1f}  elapsed {history[-1]['elapsed_seconds']:.1f}s")
+        record.end_epoch(epoch, step, train_loss, test_loss, test_accuracy, test_samples)
         if step >= last_step:
             break
 
-    metrics = {
-        "script": os.path.basename(__file__),
-        "data": "synthetic" if args.synthetic else "cifar10",
-        "device": device.type,
-        "amp": args.amp,  # [02]
-        "world_size": 1,
-        "global_batch_size": args.batch_size,
-        "steps": step,
-        "epochs_completed": step // len(train_loader),
-        "train_loss": train_loss,
-        "test_loss": test_loss,
-        "test_accuracy": test_accuracy,
-        "test_samples": test_samples,
-        "samples_per_second": meter.samples_per_second,
-        "wall_seconds": time.perf_counter() - start_time,
-        "history": history,
-    }
+    metrics = record.metrics()
     utils.save_atomic(model.state_dict(), os.path.join(args.output_dir, "model.pt"))
     utils.write_json(metrics, os.path.join(args.output_dir, "metrics.json"))
 

@@ -18,7 +18,6 @@ Next: 06_mnist_accelerate.py writes the loop once for any launcher, with Acceler
 
 import datetime  # [04]
 import os
-import time
 
 import deepspeed  # [05]
 import torch
@@ -124,48 +123,24 @@ def main():
     if distributed.should_resume(args.resume, os.path.join(args.output_dir, "checkpoints", "latest")):  # [05]
         step, start_epoch = load_checkpoint(args, model)  # [05]
 
-    meter = utils.Throughput()
-    start_time = time.perf_counter()
-    history = []  # per epoch, for benchmarks/report.py
+    record = utils.RunRecord(__file__, args, steps_per_epoch, device, amp=args.amp, world_size=world_size,  # [05]
+                             zero_stage=model.zero_optimization_stage())  # [05]
     for epoch in range(start_epoch, args.epochs):
         sampler.set_epoch(epoch)  # [04] without it, DistributedSampler repeats epoch 0's order forever
         train_set.set_epoch(epoch)  # augmentation draws depend on (seed, epoch, sample) only
-        meter.start()
+        record.start_training()
         train_loss, new_step = train_one_epoch(args, model, train_loader, accumulation_steps, steps_per_epoch,  # [05]
                                                amp_dtype, device, epoch, step, last_step, preemption)  # [05]
-        meter.stop((new_step - step) * args.batch_size)
+        record.stop_training((new_step - step) * args.batch_size)
         step = new_step
         if preemption.stopped:  # [04] every rank stopped after this step, once the checkpoint was written
             raise utils.Preempted(preemption, step, args.output_dir)  # [04] exit status 75: continue with --resume
         test_loss, test_accuracy, test_samples = evaluate(model, test_loader, device, amp_dtype, args.tta)  # [02]
-        utils.check_finite(test_loss, step, "test")  # weights that are no longer numbers: write nothing from them
-        history.append({"step": step, "elapsed_seconds": time.perf_counter() - start_time, "train_loss": train_loss,
-                        "test_loss": test_loss, "test_accuracy": test_accuracy})
-        distributed.print0(  # [04]
-            f"epoch {epoch + 1}/{args.epochs}  step {step}  train_loss {train_loss:.4f}  "
-            f"test_loss {test_loss:.4f}  test_accuracy {test_accuracy:.4f}  "
-            f"samples/s {meter.samples_per_second:.1f}  elapsed {history[-1]['elapsed_seconds']:.1f}s")
+        record.end_epoch(epoch, step, train_loss, test_loss, test_accuracy, test_samples)
         if step >= last_step:
             break
 
-    metrics = {
-        "script": os.path.basename(__file__),
-        "data": "synthetic" if args.synthetic else "cifar10",
-        "device": device.type,
-        "amp": args.amp,  # [02]
-        "world_size": world_size,  # [04]
-        "zero_stage": model.zero_optimization_stage(),  # [05]
-        "global_batch_size": args.batch_size,
-        "steps": step,
-        "epochs_completed": step // steps_per_epoch,  # [05]
-        "train_loss": train_loss,
-        "test_loss": test_loss,
-        "test_accuracy": test_accuracy,
-        "test_samples": test_samples,
-        "samples_per_second": meter.samples_per_second,
-        "wall_seconds": time.perf_counter() - start_time,
-        "history": history,
-    }
+    metrics = record.metrics()
     if rank == 0:  # [04] one writer. No collective in here: the other ranks would never join it.
         # Under ZeRO-3 each rank holds a shard of the weights only: DeepSpeed's zero_to_fp32, its offline
         # converter, reassembles them from the final checkpoint. The weights stay fp32 under --amp.

@@ -14,7 +14,6 @@ Launch:
 import datetime  # [04]
 import itertools  # [06]
 import os
-import time
 
 import torch
 import torch.nn.functional as F
@@ -94,47 +93,24 @@ def main():
     if distributed.should_resume(args.resume, os.path.join(args.output_dir, "checkpoint.pt")):  # [04]
         step, start_epoch = load_checkpoint(args, accelerator, device)  # [06]
 
-    meter = utils.Throughput()
-    start_time = time.perf_counter()
-    history = []  # per epoch, for benchmarks/report.py
+    record = utils.RunRecord(__file__, args, len(train_loader), device, data="mnist", amp=args.amp,  # [06]
+                             world_size=world_size)  # [06]
     for epoch in range(start_epoch, args.epochs):
         train_loader.set_epoch(epoch)  # [06] not sampler.set_epoch: the prepared loader would overwrite it
         train_set.set_epoch(epoch)  # augmentation draws depend on (seed, epoch, sample) only
-        meter.start()
+        record.start_training()
         train_loss, new_step = train_one_epoch(args, model, train_loader, optimizer, scheduler,
                                                accelerator, device, epoch, step, last_step, preemption)  # [06]
-        meter.stop((new_step - step) * args.batch_size)
+        record.stop_training((new_step - step) * args.batch_size)
         step = new_step
         if preemption.stopped:  # [04] every rank stopped after this step, once the checkpoint was written
             raise utils.Preempted(preemption, step, args.output_dir)  # [04] exit status 75: continue with --resume
         test_loss, test_accuracy, test_samples = evaluate(model, test_loader, device, accelerator)  # [06]
-        utils.check_finite(test_loss, step, "test")  # weights that are no longer numbers: write nothing from them
-        history.append({"step": step, "elapsed_seconds": time.perf_counter() - start_time, "train_loss": train_loss,
-                        "test_loss": test_loss, "test_accuracy": test_accuracy})
-        distributed.print0(  # [04]
-            f"epoch {epoch + 1}/{args.epochs}  step {step}  train_loss {train_loss:.4f}  "
-            f"test_loss {test_loss:.4f}  test_accuracy {test_accuracy:.4f}  "
-            f"samples/s {meter.samples_per_second:.1f}  elapsed {history[-1]['elapsed_seconds']:.1f}s")
+        record.end_epoch(epoch, step, train_loss, test_loss, test_accuracy, test_samples)
         if step >= last_step:
             break
 
-    metrics = {
-        "script": os.path.basename(__file__),
-        "data": "synthetic" if args.synthetic else "mnist",  # [06]
-        "device": device.type,
-        "amp": args.amp,  # [02]
-        "world_size": world_size,  # [04]
-        "global_batch_size": args.batch_size,
-        "steps": step,
-        "epochs_completed": step // len(train_loader),
-        "train_loss": train_loss,
-        "test_loss": test_loss,
-        "test_accuracy": test_accuracy,
-        "test_samples": test_samples,
-        "samples_per_second": meter.samples_per_second,
-        "wall_seconds": time.perf_counter() - start_time,
-        "history": history,
-    }
+    metrics = record.metrics()
     if rank == 0:  # [04] one writer. No collective in here: the other ranks would never join it.
         # unwrap_model takes the wrappers off: a plain state_dict, without "module." prefixes.
         state_dict = accelerator.unwrap_model(model).state_dict()  # [06]

@@ -15,7 +15,6 @@ Launch:
 import dataclasses  # [07]
 import datetime  # [04]
 import os
-import time
 
 import torch
 import torch.distributed as dist  # [04]
@@ -127,47 +126,23 @@ def main():
     if distributed.should_resume(args.resume, os.path.join(args.output_dir, "checkpoints", "latest")):  # [07]
         step, start_epoch = load_checkpoint(args, model, optimizer, scheduler, scaler, device)  # [02]
 
-    meter = utils.Throughput()
-    start_time = time.perf_counter()
-    history = []  # per epoch, for benchmarks/report.py
+    record = utils.RunRecord(__file__, args, len(train_loader), device, amp=args.amp, world_size=world_size)  # [04]
     for epoch in range(start_epoch, args.epochs):
         sampler.set_epoch(epoch)  # [04] without it, DistributedSampler repeats epoch 0's order forever
         train_set.set_epoch(epoch)  # augmentation draws depend on (seed, epoch, sample) only
-        meter.start()
+        record.start_training()
         train_loss, new_step = train_one_epoch(args, model, train_loader, optimizer, scheduler,
                                                scaler, device, epoch, step, last_step, preemption)  # [07]
-        meter.stop((new_step - step) * args.batch_size)
+        record.stop_training((new_step - step) * args.batch_size)
         step = new_step
         if preemption.stopped:  # [04] every rank stopped after this step, once the checkpoint was written
             raise utils.Preempted(preemption, step, args.output_dir)  # [04] exit status 75: continue with --resume
         test_loss, test_accuracy, test_samples = evaluate(model, test_loader, device, args.tta)  # [07]
-        utils.check_finite(test_loss, step, "test")  # weights that are no longer numbers: write nothing from them
-        history.append({"step": step, "elapsed_seconds": time.perf_counter() - start_time, "train_loss": train_loss,
-                        "test_loss": test_loss, "test_accuracy": test_accuracy})
-        distributed.print0(  # [04]
-            f"epoch {epoch + 1}/{args.epochs}  step {step}  train_loss {train_loss:.4f}  "
-            f"test_loss {test_loss:.4f}  test_accuracy {test_accuracy:.4f}  "
-            f"samples/s {meter.samples_per_second:.1f}  elapsed {history[-1]['elapsed_seconds']:.1f}s")
+        record.end_epoch(epoch, step, train_loss, test_loss, test_accuracy, test_samples)
         if step >= last_step:
             break
 
-    metrics = {
-        "script": os.path.basename(__file__),
-        "data": "synthetic" if args.synthetic else "cifar10",
-        "device": device.type,
-        "amp": args.amp,  # [02]
-        "world_size": world_size,  # [04]
-        "global_batch_size": args.batch_size,
-        "steps": step,
-        "epochs_completed": step // len(train_loader),
-        "train_loss": train_loss,
-        "test_loss": test_loss,
-        "test_accuracy": test_accuracy,
-        "test_samples": test_samples,
-        "samples_per_second": meter.samples_per_second,
-        "wall_seconds": time.perf_counter() - start_time,
-        "history": history,
-    }
+    metrics = record.metrics()
     # Gathering the full weights is a collective: every rank takes part, rank 0 alone receives them (the
     # others get an empty dict), on the CPU, in fp32: model.pt in the format of every other step.
     state_dict = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))  # [07]

@@ -25,7 +25,6 @@ import datetime
 import functools
 import itertools
 import os
-import time
 
 import torch
 import torch.distributed as dist
@@ -220,32 +219,24 @@ def main():
     scheduler = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=args.lr, total_steps=total_steps)
     last_step = min(args.max_steps, total_steps) if args.max_steps else total_steps
 
-    step, meter, start_time, history = 0, utils.Throughput(), time.perf_counter(), []
+    step, record = 0, utils.RunRecord(__file__, args, len(train_loader), device, world_size=world_size)
     all_reduces = collections.Counter()  # {n: how many optimizer steps launched n all-reduces}
     for epoch in range(args.epochs):
         sampler.set_epoch(epoch)
         train_set.set_epoch(epoch)
-        meter.start()
+        record.start_training()
         train_loss, steps = train_one_epoch(model, train_loader, optimizer, scheduler, accumulation, device,
                                             last_step - step, all_reduces)
-        meter.stop(steps * args.batch_size)
+        record.stop_training(steps * args.batch_size)
         step += steps
         test_loss, test_accuracy, test_samples = evaluate(model, test_loader, device)
-        history.append({"step": step, "elapsed_seconds": time.perf_counter() - start_time, "train_loss": train_loss,
-                        "test_loss": test_loss, "test_accuracy": test_accuracy})
-        distributed.print0(f"epoch {epoch + 1}/{args.epochs}  step {step}  train_loss {train_loss:.4f}  "
-                           f"test_loss {test_loss:.4f}  test_accuracy {test_accuracy:.4f}  "
-                           f"samples/s {meter.samples_per_second:.1f}  steps by all-reduces {dict(all_reduces)}")
+        record.end_epoch(epoch, step, train_loss, test_loss, test_accuracy, test_samples,
+                         more=f"steps by all-reduces {dict(all_reduces)}")
         if step >= last_step:
             break
 
     metrics = {
-        "script": os.path.basename(__file__), "data": "synthetic" if args.synthetic else "cifar10",
-        "device": device.type, "amp": "none", "world_size": world_size, "global_batch_size": args.batch_size,
-        "steps": step, "epochs_completed": step // len(train_loader), "train_loss": train_loss,
-        "test_loss": test_loss, "test_accuracy": test_accuracy, "test_samples": test_samples,
-        "samples_per_second": meter.samples_per_second, "wall_seconds": time.perf_counter() - start_time,
-        "history": history,
+        **record.metrics(),
         "ddp": args.ddp, "gradient_accumulation_steps": accumulation, "bucket_cap_mb": args.bucket_cap_mb,
         "buckets": len(model.buckets) if args.ddp == "scratch" else None,  # torch's DDP keeps its own in C++
         "all_reduces": model.all_reduces, "steps_by_all_reduces": dict(sorted(all_reduces.items())),

@@ -23,7 +23,6 @@ import itertools
 import os
 import socket
 import sys
-import time
 
 import torch
 import torch.distributed as dist
@@ -152,11 +151,11 @@ def train(args):
     scheduler = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=args.lr, total_steps=total_steps)
     last_step = min(args.max_steps, total_steps) if args.max_steps else total_steps
 
-    step, meter, start_time, history = 0, utils.Throughput(), time.perf_counter(), []
+    step, record = 0, utils.RunRecord(__file__, args, len(train_loader), device, world_size=world_size)
     for epoch in range(args.epochs):
         sampler.set_epoch(epoch)  # or DistributedSampler repeats epoch 0's order
         train_set.set_epoch(epoch)
-        meter.start()
+        record.start_training()
         model.train()
         loss_sum, steps = torch.zeros((), device=device), min(len(train_loader), last_step - step)
         for images, labels in itertools.islice(train_loader, steps):
@@ -166,25 +165,15 @@ def train(args):
             optimizer.step()
             scheduler.step()
             loss_sum += loss.detach()
-        meter.stop(steps * args.batch_size)
+        record.stop_training(steps * args.batch_size)
         step += steps
         train_loss = distributed.all_reduce_mean(loss_sum).item() / steps
         test_loss, test_accuracy, test_samples = evaluate(model, test_loader, device)
-        history.append({"step": step, "elapsed_seconds": time.perf_counter() - start_time, "train_loss": train_loss,
-                        "test_loss": test_loss, "test_accuracy": test_accuracy})
-        distributed.print0(f"epoch {epoch + 1}/{args.epochs}  step {step}  train_loss {train_loss:.4f}  "
-                           f"test_loss {test_loss:.4f}  test_accuracy {test_accuracy:.4f}")
+        record.end_epoch(epoch, step, train_loss, test_loss, test_accuracy, test_samples)
         if step >= last_step:
             break
 
-    metrics = {
-        "script": os.path.basename(__file__), "data": "synthetic" if args.synthetic else "cifar10",
-        "device": device.type, "amp": "none", "world_size": world_size, "global_batch_size": args.batch_size,
-        "steps": step, "epochs_completed": step // len(train_loader), "train_loss": train_loss,
-        "test_loss": test_loss, "test_accuracy": test_accuracy, "test_samples": test_samples,
-        "samples_per_second": meter.samples_per_second, "wall_seconds": time.perf_counter() - start_time,
-        "history": history, "init": args.init, "init_method": url,
-    }
+    metrics = {**record.metrics(), "init": args.init, "init_method": url}
     if rank == 0:  # one writer, and no collective inside
         utils.save_atomic(model.module.state_dict(), os.path.join(args.output_dir, "model.pt"))  # no "module." keys
         utils.write_json(metrics, os.path.join(args.output_dir, "metrics.json"))

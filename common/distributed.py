@@ -13,16 +13,9 @@ from common import utils
 from common.utils import UsageError
 
 
-def is_main_process():
-    """Rank 0, also before the process group exists (launchers set RANK in the environment)."""
-    if dist.is_initialized():
-        return dist.get_rank() == 0
-    return int(os.environ.get("RANK", "0")) == 0
-
-
 def print0(*args, **kwargs):
     """`print` on rank 0 only, so that N processes do not print every line N times."""
-    if is_main_process():
+    if utils.is_main_process():
         print(*args, **kwargs, flush=True)
 
 

@@ -1,7 +1,7 @@
 """Helpers that every step uses the same way and that are not the lesson.
 
-Errors, seeding, deterministic kernels, RNG state, atomic writes, JSON settings files and a throughput
-meter. The distributed helpers live in `common/distributed.py`.
+Errors, seeding, deterministic kernels, RNG state, atomic writes, JSON settings files and the run's
+record (its printed lines, history and metrics). The distributed helpers live in `common/distributed.py`.
 """
 
 import gc
@@ -302,26 +302,64 @@ def check_resumable(checkpoint, **expected):
             )
 
 
-class Throughput:
-    """Training samples per second, accumulated over the timed spans (evaluation excluded)."""
+def is_main_process():
+    """Rank 0, also before the process group exists (launchers set RANK in the environment)."""
+    if dist.is_initialized():
+        return dist.get_rank() == 0
+    return int(os.environ.get("RANK", "0")) == 0
 
-    def __init__(self):
-        self.samples = 0
-        self.seconds = 0.0
-        self._start = None
 
-    def start(self):
+class RunRecord:
+    """What a run reports, the same in every step: after each epoch, one line (printed by rank 0 alone) and an
+    entry of the history (benchmarks/report.py plots it); at the end, the metrics of metrics.json: the run's
+    settings, its last epoch's results, and its throughput, training samples per second over the timed spans
+    (evaluation excluded).
+
+    `settings` are the run's own (05's ZeRO stage, 08's stages...); `steps_per_epoch` counts optimizer steps."""
+
+    def __init__(self, script, args, steps_per_epoch, device, data="cifar10", amp="none", world_size=1, **settings):
+        self.epochs, self.steps_per_epoch = args.epochs, steps_per_epoch
+        self.settings = {"script": os.path.basename(script), "data": "synthetic" if args.synthetic else data,
+                         "device": device.type, "amp": amp, "world_size": world_size, **settings,
+                         "global_batch_size": args.batch_size}
+        self.history, self.step, self.test_samples = [], 0, 0
+        self.samples, self.seconds, self._started = 0, 0.0, None
+        self.start_time = time.perf_counter()
+
+    def start_training(self):
         self._synchronize()
-        self._start = time.perf_counter()
+        self._started = time.perf_counter()
 
-    def stop(self, samples):
+    def stop_training(self, samples):
+        """The end of a timed span, in which `samples` training samples were trained."""
         self._synchronize()
-        self.seconds += time.perf_counter() - self._start
+        self.seconds += time.perf_counter() - self._started
         self.samples += samples
 
     @property
     def samples_per_second(self):
         return self.samples / self.seconds if self.seconds else 0.0
+
+    def end_epoch(self, epoch, step, train_loss, test_loss, test_accuracy, test_samples, more=""):
+        """Records the epoch that ended at `step`, and prints its line (with `more` at its end)."""
+        check_finite(test_loss, step, "test")  # weights that are no longer numbers: write nothing from them
+        self.step, self.test_samples = step, test_samples
+        self.history.append({"step": step, "elapsed_seconds": time.perf_counter() - self.start_time,
+                             "train_loss": train_loss, "test_loss": test_loss, "test_accuracy": test_accuracy})
+        if is_main_process():
+            print(f"epoch {epoch + 1}/{self.epochs}  step {step}  train_loss {train_loss:.4f}  "
+                  f"test_loss {test_loss:.4f}  test_accuracy {test_accuracy:.4f}  "
+                  f"samples/s {self.samples_per_second:.1f}  elapsed {self.history[-1]['elapsed_seconds']:.1f}s"
+                  + (f"  {more}" if more else ""), flush=True)
+
+    def metrics(self):
+        """metrics.json's contents: the settings, then the last epoch's results."""
+        last = self.history[-1]
+        return {**self.settings, "steps": self.step, "epochs_completed": self.step // self.steps_per_epoch,
+                "train_loss": last["train_loss"], "test_loss": last["test_loss"],
+                "test_accuracy": last["test_accuracy"], "test_samples": self.test_samples,
+                "samples_per_second": self.samples_per_second,
+                "wall_seconds": time.perf_counter() - self.start_time, "history": self.history}
 
     @staticmethod
     def _synchronize():
