@@ -110,6 +110,9 @@ class Preemption:
         self.stopped = False  # the ranks agreed to stop
         self._group = None
         self._sent = None  # (the all-reduce in flight, its flag)
+        # This run's from here on, before any signal can reach it: the waiting thread may take one at any time.
+        first, Preemption._latest = Preemption._latest is None, self
+        utils.STOP_REQUESTED.clear()  # a signal to an earlier run in this process is not this run's
         for number in self.STOP_SIGNALS:  # for a thread that started before the block below (imports start some)
             signal.signal(number, self._handle)
         # Processes started by spawn or forkserver (Python 3.14's default on Linux) need multiprocessing's resource
@@ -117,8 +120,6 @@ class Preemption:
         # starts again.
         resource_tracker.ensure_running()
         signal.pthread_sigmask(signal.SIG_BLOCK, self.STOP_SIGNALS)
-        # Named before the thread starts: a signal already pending reaches it at once.
-        first, Preemption._latest = Preemption._latest is None, self
         if first:
             threading.Thread(target=Preemption._wait, name="preemption", daemon=True).start()
 

@@ -471,18 +471,17 @@ def test_bad_input_on_another_rank_waits_for_the_first_or_a_stop_signal(signalle
     assert (waited < utils.BAD_INPUT_WAIT_SECONDS / 2) if signalled else (waited > utils.BAD_INPUT_WAIT_SECONDS), waited
 
 
-# A signal that every thread blocks waits (pending) until the preemption thread takes it: there at once. A tiny
-# switch interval lets that thread run before `Preemption()` returns.
+# SIGUSR1, pending before `Preemption()`: every thread blocks it, and multiprocessing's resource tracker, which
+# `Preemption` starts, unblocks SIGINT and SIGTERM only. The waiting thread takes it as soon as it starts; the
+# thread that started it then sleeps, so that a signal the thread received before it knew its instance was lost.
 SIGNAL_PENDING_AT_THE_START = """
-import os, signal, sys
-from multiprocessing import resource_tracker
+import os, signal, threading, time
 
 from common import distributed, utils
 
-resource_tracker.ensure_running()  # it unblocks SIGTERM in this thread: blocked again below
-signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGTERM])
-os.kill(os.getpid(), signal.SIGTERM)
-sys.setswitchinterval(1e-6)
+start = threading.Thread.start
+threading.Thread.start = lambda thread: (start(thread), time.sleep(0.2))
+os.kill(os.getpid(), signal.SIGUSR1)
 distributed.Preemption()
 print(utils.STOP_REQUESTED.wait(10), flush=True)
 os._exit(0)
@@ -491,10 +490,10 @@ os._exit(0)
 
 def test_a_stop_signal_pending_when_preemption_starts_is_received(tmp_path):
     """A launcher can start a process with the stop signals blocked in every thread (exec keeps the mask): one
-    sent before `Preemption()` is pending, and its thread receives it as soon as it starts."""
+    sent before `Preemption()` stays pending, and its waiting thread receives it."""
     script = tmp_path / "pending.py"
     script.write_text(SIGNAL_PENDING_AT_THE_START)
-    blocked_exec = ("import os, signal, sys; signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGTERM]); "
+    blocked_exec = ("import os, signal, sys; signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGUSR1]); "
                     "os.execv(sys.executable, [sys.executable] + sys.argv[1:])")
     result = run_job(python("-c", blocked_exec, script), env={"PYTHONPATH": str(ROOT)}, timeout=60)
     assert result.returncode == 0 and result.stdout == "True\n" and not result.stderr, result.stderr[-3000:]
