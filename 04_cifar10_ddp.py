@@ -135,7 +135,7 @@ def train_one_epoch(args, model, loader, optimizer, scheduler,
         step += 1
         loss_sum += loss.detach()
         # Every rank asks at every step: a rank that stopped alone would leave the others waiting in a collective.
-        stop = preemption.agreed()  # [04] True on all ranks at the same step if any was signalled
+        stop = preemption.should_stop()  # [04] True on all ranks at the same step if any was signalled
         checkpoint_due = stop or args.save_every and (step % args.save_every == 0 or step == last_step)  # [04]
         if step % 10 == 0 or step == last_step or checkpoint_due:  # reading the loss waits for the step to finish
             # Every rank runs the all-reduce, not rank 0 alone: a diverged run stops on all at the same step.

@@ -81,7 +81,7 @@ class Preemption:
     """SIGTERM or SIGUSR1 (a preemption, a scheduler's warning before a time limit) asks the run to stop.
 
     The signal only sets a flag: the step in flight finishes. At every step boundary each rank calls
-    `agreed()`, which starts one all-reduce (MAX) of its flag and reads the one it started at the step
+    `should_stop()`, which starts one all-reduce (MAX) of its flag and reads the one it started at the step
     before: every rank learns at the same step whether any rank was signalled, one step after it was. They
     then all save the step's checkpoint and stop there together. A rank that stopped on its own flag would
     leave the others waiting in their next collective until the timeout. Read a step late, the all-reduce
@@ -139,7 +139,7 @@ class Preemption:
         if dist.is_initialized():
             self._group = dist.new_group(backend="gloo", timeout=datetime.timedelta(minutes=5))
 
-    def agreed(self):
+    def should_stop(self):
         """True on every rank at the same step if any rank had been signalled by the step before. Every rank
         must call it, at every step."""
         flag = torch.tensor([self.signal is not None], dtype=torch.int32)
