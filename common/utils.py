@@ -304,7 +304,7 @@ def check_resumable(checkpoint, **expected):
 
 def is_main_process():
     """Rank 0, also before the process group exists (launchers set RANK in the environment)."""
-    if dist.is_initialized():
+    if dist.is_available() and dist.is_initialized():
         return dist.get_rank() == 0
     return int(os.environ.get("RANK", "0")) == 0
 
@@ -353,7 +353,8 @@ class RunRecord:
                   + (f"  {more}" if more else ""), flush=True)
 
     def metrics(self):
-        """metrics.json's contents: the settings, then the last epoch's results."""
+        """metrics.json's contents: the settings, then the last epoch's results; `wall_seconds` ends now (call it
+        before the final writes, as the steps do)."""
         last = self.history[-1]
         return {**self.settings, "steps": self.step, "epochs_completed": self.step // self.steps_per_epoch,
                 "train_loss": last["train_loss"], "test_loss": last["test_loss"],

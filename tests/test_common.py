@@ -1,5 +1,6 @@
 """The shared pipeline: deterministic data, world-size-independent order, atomic writes."""
 
+import argparse
 import datetime
 import itertools
 import os
@@ -144,6 +145,36 @@ def test_synthetic_mnist_is_mnist_shaped():
     assert len(test_set) == data.SYNTHETIC_TEST_SIZE
     assert sorted(train_set.labels.unique().tolist()) == list(range(10))
     assert models.MnistCNN()(torch.stack([test_set[i][0] for i in range(2)])).shape == (2, 10)
+
+
+def test_the_run_record_prints_rank_0s_lines_and_holds_metrics_jsons_contents(capsys, monkeypatch):
+    monkeypatch.delenv("RANK", raising=False)  # rank 0, as in one process without a launcher
+    args = argparse.Namespace(epochs=3, synthetic=True, batch_size=24)
+    record = utils.RunRecord("/any/05_cifar10_deepspeed.py", args, 10, torch.device("cpu"), amp="bf16", world_size=2,
+                             zero_stage=3)
+    for epoch in (0, 1):
+        record.start_training()
+        record.stop_training(240)
+        record.end_epoch(epoch, 10 * (epoch + 1), 2.0 - epoch, 1.5 - epoch / 2, 0.25 * (epoch + 1), 1001)
+    metrics = record.metrics()
+    assert list(metrics) == ["script", "data", "device", "amp", "world_size", "zero_stage", "global_batch_size",
+                             "steps", "epochs_completed", "train_loss", "test_loss", "test_accuracy", "test_samples",
+                             "samples_per_second", "wall_seconds", "history"]
+    assert metrics | {"samples_per_second": 0, "wall_seconds": 0, "history": []} == {
+        "script": "05_cifar10_deepspeed.py", "data": "synthetic", "device": "cpu", "amp": "bf16", "world_size": 2,
+        "zero_stage": 3, "global_batch_size": 24, "steps": 20, "epochs_completed": 2, "train_loss": 1.0,
+        "test_loss": 1.0, "test_accuracy": 0.5, "test_samples": 1001, "samples_per_second": 0, "wall_seconds": 0,
+        "history": []}
+    assert metrics["samples_per_second"] == 480 / record.seconds  # the timed spans alone
+    assert [entry["step"] for entry in metrics["history"]] == [10, 20]
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 2 and lines[1].startswith("epoch 2/3  step 20  train_loss 1.0000  test_loss 1.0000  "
+                                                   "test_accuracy 0.5000  samples/s "), lines
+    monkeypatch.setenv("RANK", "1")  # another rank, before the process group exists
+    record.end_epoch(2, 30, 0.5, 0.5, 0.75, 1001)
+    assert capsys.readouterr().out == ""
+    with pytest.raises(utils.UsageError, match="the test loss is nan at step 40"):
+        record.end_epoch(3, 40, 0.5, float("nan"), 0.75, 1001)
 
 
 def test_atomic_save_keeps_the_previous_file_when_a_write_crashes(tmp_path, monkeypatch):
