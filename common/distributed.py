@@ -1,5 +1,6 @@
 """Small distributed helpers. Each is also correct in a single process (world size 1)."""
 
+import contextlib
 import datetime
 import os
 import signal
@@ -154,3 +155,16 @@ class Preemption:
             self.stopped = bool(sent_flag.item())
         self._sent = dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._group, async_op=True), flag
         return self.stopped
+
+
+def remove_deepspeed_shared_memory():
+    """DeepSpeed 0.19's CPU communication op, under the deepspeed launcher on one machine (LOCAL_SIZE is the world
+    size), maps a buffer of 69 MB per rank in /dev/shm, which is memory, and never removes it: each run would
+    leave one per rank until the machine restarts. Every rank calls this after `deepspeed.initialize`: past the
+    barrier every rank has mapped every buffer, and each removes its own name (the memory goes with the
+    processes). Elsewhere there is nothing to remove."""
+    dist.barrier()
+    name = (f"deepspeed_allreduce_buffer_{os.getuid()}_{os.environ.get('MASTER_ADDR', '')}_"
+            f"{os.environ.get('MASTER_PORT', '')}_{dist.get_rank()}")
+    with contextlib.suppress(FileNotFoundError):
+        os.remove(os.path.join("/dev/shm", name))

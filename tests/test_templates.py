@@ -6,6 +6,7 @@ weights; a finished run says so and leaves its outputs alone; a checkpoint of ot
 line. Each stays self-contained and makes only the distributed calls that its step of the tour teaches."""
 
 import ast
+import glob
 import math
 import os
 import re
@@ -14,7 +15,7 @@ import signal
 import pytest
 import torch
 from jobs import catches, loader_workers, run_job, workers
-from launch import BIN, ROOT, deepspeed, python, torchrun
+from launch import BIN, ROOT, deepspeed, free_port, python, torchrun
 from outputs import assert_same_weights, check_ok, check_one_error, read_metrics
 
 # Each template and the step that teaches its calls.
@@ -264,9 +265,12 @@ def test_a_users_copy_runs_under_plain_python_and_its_librarys_launcher(name, tm
     else:
         check_one_error(two, f"error: {checkpoint} was written with processes 1, this run 2")
     if name == "deepspeed":
-        launched = check_ok(run_job(deepspeed(2, script, *users_settings(), "--output-dir", tmp_path / "ds"),
+        port = free_port()
+        launched = check_ok(run_job(deepspeed(2, script, *users_settings(), "--output-dir", tmp_path / "ds", port=port),
                                     timeout=TIMEOUT))
         assert read_metrics(tmp_path / "ds")["world_size"] == 2, launched.stdout
+        # DeepSpeed's CPU communication op maps a buffer per rank in shared memory, named after the port: removed.
+        assert not glob.glob(f"/dev/shm/deepspeed_allreduce_buffer_*_{port}_*")
     if name == "accelerate":
         command = [str(BIN / "accelerate"), "launch", "--cpu", "--num_processes", "2", str(script)]
         check_one_error(run_job(command, timeout=TIMEOUT, cwd=tmp_path),
