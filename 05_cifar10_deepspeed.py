@@ -116,7 +116,7 @@ def main():
     # gradients in backward, steps the schedule after each optimizer step and keeps both in its checkpoints.
     model, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler,  # [05]
                                           config=config)  # [05] the loop calls only the engine
-    distributed.remove_deepspeed_shared_memory()  # [05] or each run leaves 69 MB per rank in /dev/shm
+    distributed.remove_deepspeed_shared_memory()  # [05] CPU, deepspeed launcher: or 69 MB per rank stay in /dev/shm
 
     step, start_epoch = 0, 0
     # Started again (torchrun --max-restarts=K after a failure, a requeued Slurm job): go on from the last checkpoint.
