@@ -41,21 +41,26 @@ def test_fp16_resumes_with_its_loss_scale(step, tmp_path):
     assert scalers[0] == scalers[1] and scalers[0]["_growth_tracker"] > 0, scalers
 
 
-@pytest.mark.parametrize("script", ["04_cifar10_ddp.py", "07_cifar10_fsdp.py"])
-def test_resume_with_another_world_size_continues_the_same_run(script, tmp_path):
-    """04's checkpoint holds the whole training state, 07's sharded one is resplit across the ranks as
-    it loads, and the order of the global batches does not depend on the world size: 2 processes
-    stopped mid-epoch and resumed with 3 end where 2 processes end without a stop. Another world size
-    sums the gradients in another order, so the comparison is the parity check's: float64 and --norm
-    group (docs/parity.md). A small data set (8 steps per epoch) keeps it quick and lets the resumed
-    run cross an epoch boundary."""
+@pytest.mark.parametrize("script, saved_at, resumed_at, options", [
+    ("04_cifar10_ddp.py", 2, 3, ["--norm", "group"]),
+    ("07_cifar10_fsdp.py", 2, 3, ["--norm", "group"]),
+    # tp 2 x dp 2, resumed by tp 2 alone (docs/tensor-parallel.md); parity.md's options for the transformer.
+    ("09_cifar10_tensor_parallel.py", 4, 2, ["--no-dropout", "--width", 32]),
+])
+def test_resume_with_another_world_size_continues_the_same_run(script, saved_at, resumed_at, options, tmp_path):
+    """04's checkpoint holds the whole training state, 07's and 09's sharded ones are resplit across the ranks
+    as they load, and the order of the global batches does not depend on the world size: a run stopped
+    mid-epoch and resumed at another world size ends where the first world size ends without a stop. Another
+    world size sums the gradients in another order, so the comparison is the parity check's: float64 and
+    no normalisation over the batch (docs/parity.md). A small data set (8 steps per epoch) keeps it quick
+    and lets the resumed run cross an epoch boundary."""
     data_dir = tiny_cifar10(tmp_path / "data", train_size=96, test_size=6)
     args = ["benchmarks/float64.py", script, "--data-dir", data_dir, "--num-workers", 0,
-            "--batch-size", 12, "--lr", 0.1, "--epochs", 2, "--norm", "group"]
+            "--batch-size", 12, "--lr", 0.1, "--epochs", 2, *options]
     straight, stopped = tmp_path / "straight", tmp_path / "stopped"
-    check_ok(run_job(forked(2, *args, "--output-dir", straight)))
-    check_ok(run_job(forked(2, *args, "--max-steps", 5, "--save-every", 5, "--output-dir", stopped)))
-    resumed = check_ok(run_job(forked(3, *args, "--resume", "--output-dir", stopped)))
+    check_ok(run_job(forked(saved_at, *args, "--output-dir", straight)))
+    check_ok(run_job(forked(saved_at, *args, "--max-steps", 5, "--save-every", 5, "--output-dir", stopped)))
+    resumed = check_ok(run_job(forked(resumed_at, *args, "--resume", "--output-dir", stopped)))
     assert "resumed from step 5" in resumed.stdout
     assert read_metrics(stopped)["steps"] == 16
     difference = parity.max_relative_difference(stopped / "model.pt", straight / "model.pt")
