@@ -1,5 +1,6 @@
 """What a run printed and wrote: exit status, the reported error, metrics.json and model.pt."""
 
+import glob
 import json
 import math
 import re
@@ -44,6 +45,13 @@ def check_one_error(result, *fragments):
     for fragment in fragments:
         assert fragment in reported[0], reported[0]
     return reported[0]
+
+
+def check_no_shared_memory_left(port):
+    """Under its launcher, DeepSpeed's CPU communication op maps a buffer per rank in /dev/shm, named after the
+    job's port (05 and the DeepSpeed template remove them): nothing of that job may be left there."""
+    left = glob.glob(f"/dev/shm/*_{port}_*")
+    assert not left, left
 
 
 def read_metrics(output_dir):

@@ -6,7 +6,6 @@ weights; a finished run says so and leaves its outputs alone; a checkpoint of ot
 line. Each stays self-contained and makes only the distributed calls that its step of the tour teaches."""
 
 import ast
-import glob
 import math
 import os
 import re
@@ -16,7 +15,7 @@ import pytest
 import torch
 from jobs import catches, loader_workers, run_job, workers
 from launch import BIN, ROOT, deepspeed, free_port, python, torchrun
-from outputs import assert_same_weights, check_ok, check_one_error, read_metrics
+from outputs import assert_same_weights, check_no_shared_memory_left, check_ok, check_one_error, read_metrics
 
 # Each template and the step that teaches its calls.
 STEPS = {"ddp": "04_cifar10_ddp.py", "fsdp": "07_cifar10_fsdp.py", "deepspeed": "05_cifar10_deepspeed.py",
@@ -269,8 +268,7 @@ def test_a_users_copy_runs_under_plain_python_and_its_librarys_launcher(name, tm
         launched = check_ok(run_job(deepspeed(2, script, *users_settings(), "--output-dir", tmp_path / "ds", port=port),
                                     timeout=TIMEOUT))
         assert read_metrics(tmp_path / "ds")["world_size"] == 2, launched.stdout
-        # DeepSpeed's CPU communication op maps a buffer per rank in shared memory, named after the port: removed.
-        assert not glob.glob(f"/dev/shm/*_{port}_*")
+        check_no_shared_memory_left(port)
     if name == "accelerate":
         command = [str(BIN / "accelerate"), "launch", "--cpu", "--num_processes", "2", str(script)]
         check_one_error(run_job(command, timeout=TIMEOUT, cwd=tmp_path),
