@@ -69,6 +69,10 @@ def main():
     if args.schedule == "1f1b" and args.microbatches < stages:  # [08] its steady state: a micro-batch per stage
         raise utils.UsageError(f"--schedule 1f1b needs at least as many --microbatches as --stages ({stages})")  # [08]
     replicas = world_size // stages  # [08] each replica is a whole pipeline
+    # The layout. By default 5 or 7 processes (4 micro-batches) get no pipeline: say why.
+    no_pipeline = not args.stages and stages == 1 < most  # [08]
+    distributed.print0(f"{stages} stage(s) x {replicas} replica(s)"  # [08]
+                       + (f": no stage count from 2 to {most} divides {world_size}" if no_pipeline else ""))  # [08]
     if args.batch_size % (replicas * args.microbatches):  # [08] each replica cuts its share into micro-batches
         raise utils.UsageError(f"--batch-size {args.batch_size} is not divisible by {replicas} replica(s) x "  # [08]
                                f"--microbatches {args.microbatches}")  # [08]

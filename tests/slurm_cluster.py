@@ -87,8 +87,10 @@ class SlurmCluster:
 
     def env(self, extra=None):
         """The environment of a Slurm command (and of its jobs: sbatch passes it on), without the tests' one
-        thread per process (conftest.py): srun.sbatch sets OMP_NUM_THREADS itself where it is unset."""
-        return environment({"SLURM_CONF": str(self.conf), "OMP_NUM_THREADS": None, **(extra or {})})
+        thread per process (conftest.py): srun.sbatch sets OMP_NUM_THREADS itself where it is unset. A job's Python
+        processes print their threads' stacks when they abort (`wait` aborts a job that hangs)."""
+        return environment({"SLURM_CONF": str(self.conf), "OMP_NUM_THREADS": None, "PYTHONFAULTHANDLER": "1",
+                            **(extra or {})})
 
     def run(self, *command, env=None):
         """A Slurm client command's output; a failure raises, with what it printed."""
@@ -123,15 +125,38 @@ class SlurmCluster:
     def job_state(self, job_id):
         return re.search(r"JobState=(\w+)", self.run("scontrol", "--oneliner", "show", "job", job_id)).group(1)
 
-    def wait(self, job_id, timeout):
-        """The state that the job ends in; a job that outlasts `timeout` is cancelled and fails the test."""
+    def wait(self, job_id, timeout, output):
+        """The state that the job ends in; a job that outlasts `timeout` is cancelled and fails the test, with
+        what it was doing: its record, its processes and the end of its `output` file."""
         deadline = time.monotonic() + timeout
         while (state := self.job_state(job_id)) not in ENDED:
             if time.monotonic() > deadline:
+                record = self.run("scontrol", "--oneliner", "show", "job", job_id)
+                processes = self.processes_of(job_id)
+                # Every Python thread's stack into the output (PYTHONFAULTHANDLER, self.env): where it hangs.
+                for pid in processes_with(f"SLURM_JOB_ID={job_id}"):
+                    with contextlib.suppress(OSError):
+                        if b"python" in Path("/proc", str(pid), "cmdline").read_bytes().split(b"\0")[0]:
+                            os.kill(pid, signal.SIGABRT)
+                time.sleep(3)
                 self.run("scancel", job_id)
-                pytest.fail(f"job {job_id} still {state} after {timeout}s: cancelled")
+                pytest.fail(f"job {job_id} still {state} after {timeout}s: cancelled\n{record}\n{processes}\n"
+                            f"{output.read_text(errors='replace')[-5000:] if output.exists() else 'no output'}\n"
+                            f"{self.logs()}")
             time.sleep(0.2)
         return state
+
+    @staticmethod
+    def processes_of(job_id):
+        """Each process of the job: pid, state, the kernel call it waits in, command line."""
+        lines = []
+        for pid in processes_with(f"SLURM_JOB_ID={job_id}"):
+            with contextlib.suppress(OSError):  # it has just exited
+                proc = Path("/proc", str(pid))
+                state = (proc / "stat").read_text().rsplit(")", 1)[1].split()[0]
+                command = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+                lines.append(f"{pid} {state} {(proc / 'wchan').read_text() or '-'} {command}")
+        return "\n".join(lines) or "no processes"
 
     def jobs(self):
         return self.run("squeue", "--noheader", "--format=%i").split()

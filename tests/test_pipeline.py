@@ -8,7 +8,7 @@ import json
 import pytest
 from jobs import SMALL_RESNET9, SMOKE_ARGS, SYNTHETIC_ARGS, run_job
 from launch import forked, python, torchrun
-from outputs import check_ok, check_smoke_run, read_metrics
+from outputs import check_ok, check_one_error, check_smoke_run, read_metrics
 from resume import END_STEP, check_exact_resume
 
 SCRIPT = "08_cifar10_pipeline.py"
@@ -25,6 +25,7 @@ def test_pipeline_step(nproc, args, stages, tmp_path):
     check_smoke_run(tmp_path, SCRIPT, world_size=nproc)  # model.pt: every stage's part, with ResNet9's keys
     assert (read_metrics(tmp_path)["stages"], read_metrics(tmp_path)["microbatches"]) == (stages, 4)
     assert result.stdout.count("epoch 1/1") == 1  # rank 0 alone prints
+    assert f"{stages} stage(s) x {nproc // stages} replica(s)\n" in result.stdout
 
 
 @pytest.mark.full
@@ -32,9 +33,20 @@ def test_eight_processes_default_to_4_stages_of_2_replicas(tmp_path):
     """The README's command on a node of 8 GPUs: the stages default to the most that divide the world size within
     ResNet-9's 5 blocks and the 4 micro-batches that 1F1B needs at least as many of. Small and one step: the
     claim is the layout, on 8 processes sharing 2 cores."""
-    check_ok(run_job(torchrun(8, SCRIPT, *SYNTHETIC_ARGS, *SMALL_RESNET9, "--max-steps", 1, "--output-dir", tmp_path),
-                     timeout=300))
+    result = check_ok(run_job(torchrun(8, SCRIPT, *SYNTHETIC_ARGS, *SMALL_RESNET9, "--max-steps", 1,
+                                       "--output-dir", tmp_path), timeout=300))
     assert (read_metrics(tmp_path)["stages"], read_metrics(tmp_path)["world_size"]) == (4, 8)
+    assert "4 stage(s) x 2 replica(s)\n" in result.stdout
+
+
+@pytest.mark.full
+def test_five_processes_get_no_pipeline_and_say_why(tmp_path):
+    """5 processes: no stage count from 2 to 4 (the micro-batches) divides 5, so 08 runs 5 replicas of one
+    stage. It says so before it stops: the default batch of 256 is not a multiple of 5 replicas x 4
+    micro-batches, and the error alone would not tell a user why there are 5 replicas."""
+    result = run_job(torchrun(5, SCRIPT, "--synthetic", "--output-dir", tmp_path), timeout=120)
+    assert "1 stage(s) x 5 replica(s): no stage count from 2 to 4 divides 5\n" in result.stdout
+    check_one_error(result, "--batch-size 256 is not divisible by 5 replica(s) x --microbatches 4")
 
 
 @pytest.mark.full
