@@ -8,6 +8,7 @@ the tour table's diff sizes are current; the README stays short. Code that a pag
 own, verbatim, and the collectives' values in docs/collectives.md are what 4 processes really compute.
 """
 
+import argparse
 import ast
 import importlib.util
 import json
@@ -118,6 +119,46 @@ def parse_with_script(script, arguments, monkeypatch):
         module.parse_args()
     else:
         module.parse_args(arguments)
+
+
+def step_options(script, monkeypatch):
+    """The options that a step's parser shows in its help, each as the set of its spellings (--local-rank, which
+    older launchers pass, does not show), --help aside."""
+    defined = []
+
+    def capture(parser, *args, **kwargs):
+        defined.extend(set(action.option_strings) for action in parser._actions
+                       if action.help != argparse.SUPPRESS and action.option_strings != ["-h", "--help"])
+        raise StopIteration  # before anything is parsed
+
+    monkeypatch.setattr(argparse.ArgumentParser, "parse_args", capture)
+    with pytest.raises(StopIteration):
+        parse_with_script(script, [], monkeypatch)
+    return defined
+
+
+def contract_table():
+    """{flag: the steps whose row names it} from the README's table of the command-line contract."""
+    section = README.split("## The command-line contract", 1)[1].split("\n## ", 1)[0]
+    flags = {}
+    for cell, steps in re.findall(r"^\| (`--.+?) \| .+ \| (.+?) \|$", section, flags=re.M):
+        numbers = set()
+        for part in steps.replace("all", "01–09").split(", "):
+            first, _, last = part.partition("–")
+            numbers |= set(range(int(first), int(last or first) + 1))
+        for flag in re.findall(r"`(--[\w-]+)", cell):
+            flags[flag] = numbers
+    return flags
+
+
+@pytest.mark.parametrize("script", STEP_SCRIPTS)
+def test_the_contract_table_lists_each_steps_flags(script, monkeypatch):
+    """The README's table of flags and the steps that take them is each step's parser, flag for flag."""
+    number = int(script[:2])
+    listed = {flag for flag, steps in contract_table().items() if number in steps}
+    options = step_options(script, monkeypatch)
+    assert listed <= set().union(*options), "the table lists flags that the step does not take"
+    assert [option for option in options if not option & listed] == [], "flags that the table does not list"
 
 
 @pytest.mark.parametrize("source, command", all_commands())
