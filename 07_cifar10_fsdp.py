@@ -93,10 +93,10 @@ def main():
     with torch.device("meta"):  # [07]
         model = models.ResNet9(norm=args.norm, width=args.width)  # [07]
     # Each residual block and BatchNorm layer, then the root (the rest), becomes one unit: each rank keeps a shard
-    # of its weights; just before the unit runs (forward and backward), its full weights are gathered
-    # from every rank and freed after. The gradients are reduce-scattered: each rank gets the averaged
-    # gradient of its own shard, and its optimizer updates only that. --amp: the gathered copies are cast
-    # to 16 bits; the gradients are reduced, and the shards kept, in fp32.
+    # of its weights; its full weights are gathered just before the unit's forward and freed after, then gathered
+    # again for its backward (not the root's: it keeps them from forward to backward). The gradients are
+    # reduce-scattered: each rank gets the averaged gradient of its own shard, and its optimizer updates only that.
+    # --amp: the gathered copies are cast to 16 bits; the gradients are reduced, and the shards kept, in fp32.
     policy = MixedPrecisionPolicy(param_dtype=amp_dtype, reduce_dtype=torch.float32 if amp_dtype else None)  # [07]
     for module in reversed(list(model.modules())):  # [07] inner units first: an outer one takes what is left
         if isinstance(module, torch.nn.BatchNorm2d):  # [07] its fp32 statistics need fp32 weights, under --amp too

@@ -84,7 +84,7 @@ def main():
     train_set, test_set = data.load_cifar10(args.data_dir, args.synthetic, seed=args.seed)
     if args.batch_size > len(train_set):
         raise utils.UsageError(f"--batch-size {args.batch_size} is larger than the training set ({len(train_set)})")
-    # rank = stage x replicas + replica: the gradient all-reduce (large) stays within a machine, not the stages.
+    # rank = stage x replicas + replica: a stage's replicas are neighbours, its all-reduce within a machine.
     stage_index, replica = divmod(rank, replicas)  # [08] as the mesh below lays the ranks out
     # Every rank shuffles alike and keeps every world_size-th sample: disjoint shares of 01's global batch.
     # Per replica: all its stages read the same batches (the first stage uses the images, the last the labels).

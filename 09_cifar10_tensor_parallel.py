@@ -95,7 +95,7 @@ def main():
     if args.batch_size > len(train_set):
         raise utils.UsageError(f"--batch-size {args.batch_size} is larger than the training set ({len(train_set)})")
     # rank = replica x tp_size + tp rank: a group's ranks are neighbours, on one machine, since every layer
-    # communicates within the group; FSDP's traffic (once per unit and step) crosses machines.
+    # communicates within the group; FSDP2's few collectives per unit and step cross machines.
     replica = rank // tp_size  # [09] as the mesh below lays the ranks out
     # Every rank shuffles alike and keeps every world_size-th sample: disjoint shares of 01's global batch.
     # Per replica: the ranks of a tensor-parallel group must compute on the same images.
