@@ -71,6 +71,8 @@ def main():
     step, start_epoch = 0, 0
     if args.resume:
         step, start_epoch = load_checkpoint(args, model, optimizer, scheduler, scaler, device)  # [02]
+        if utils.finished(args.output_dir, step, last_step):  # started again after its end: its outputs stand
+            return
 
     record = utils.RunRecord(__file__, args, len(train_loader), device, amp=args.amp)  # [02]
     for epoch in range(start_epoch, args.epochs):
@@ -155,14 +157,16 @@ def save_checkpoint(args, model, optimizer, scheduler, scaler, epoch, step):  # 
 
 def load_checkpoint(args, model, optimizer, scheduler, scaler, device):  # [02]
     """Restore `save_checkpoint`'s state; returns the step and the epoch to continue from."""
-    checkpoint = utils.load_checkpoint(os.path.join(args.output_dir, "checkpoint.pt"), map_location=device)
-    utils.check_resumable(checkpoint, batch_size=args.batch_size, epochs=args.epochs, seed=args.seed, width=args.width)
+    path = os.path.join(args.output_dir, "checkpoint.pt")
+    checkpoint = utils.load_checkpoint(path, map_location=device)
+    utils.check_resumable(path, checkpoint, batch_size=args.batch_size, epochs=args.epochs, seed=args.seed,
+                          width=args.width)
     model.module.load_state_dict(checkpoint["model"])  # [03]
     optimizer.load_state_dict(checkpoint["optimizer"])
     scheduler.load_state_dict(checkpoint["scheduler"])
     scaler.load_state_dict(checkpoint["scaler"])  # [02]
     utils.set_rng_state(checkpoint["rng"])
-    print(f"resumed from step {checkpoint['step']}")
+    utils.report_resume(path, checkpoint)
     return checkpoint["step"], checkpoint["epoch"]
 
 

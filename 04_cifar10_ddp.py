@@ -88,6 +88,8 @@ def main():
     # Rank 0 decides, for every rank: a rank that cannot see the checkpoint stops the job with one error.
     if distributed.should_resume(args.resume, os.path.join(args.output_dir, "checkpoint.pt")):  # [04]
         step, start_epoch = load_checkpoint(args, model, optimizer, scheduler, scaler, device)  # [02]
+        if utils.finished(args.output_dir, step, last_step):  # started again after its end: its outputs stand
+            return
 
     record = utils.RunRecord(__file__, args, len(train_loader), device, amp=args.amp, world_size=world_size)  # [04]
     for epoch in range(start_epoch, args.epochs):
@@ -186,14 +188,16 @@ def save_checkpoint(args, model, optimizer, scheduler, scaler, epoch, step):  # 
 
 def load_checkpoint(args, model, optimizer, scheduler, scaler, device):  # [02]
     """Restore `save_checkpoint`'s state; returns the step and the epoch to continue from."""
-    checkpoint = utils.load_checkpoint(os.path.join(args.output_dir, "checkpoint.pt"), map_location=device)
-    utils.check_resumable(checkpoint, batch_size=args.batch_size, epochs=args.epochs, seed=args.seed, width=args.width)
+    path = os.path.join(args.output_dir, "checkpoint.pt")
+    checkpoint = utils.load_checkpoint(path, map_location=device)
+    utils.check_resumable(path, checkpoint, batch_size=args.batch_size, epochs=args.epochs, seed=args.seed,
+                          width=args.width)
     model.module.load_state_dict(checkpoint["model"])  # [04]
     optimizer.load_state_dict(checkpoint["optimizer"])
     scheduler.load_state_dict(checkpoint["scheduler"])
     scaler.load_state_dict(checkpoint["scaler"])  # [02]
     utils.set_rng_state(checkpoint["rng"])
-    distributed.print0(f"resumed from step {checkpoint['step']}")  # [04]
+    utils.report_resume(path, checkpoint)
     return checkpoint["step"], checkpoint["epoch"]
 
 

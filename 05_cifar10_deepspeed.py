@@ -123,6 +123,8 @@ def main():
     # Rank 0 decides, for every rank: a rank that cannot see the checkpoint stops the job with one error.
     if distributed.should_resume(args.resume, os.path.join(args.output_dir, "checkpoints", "latest")):  # [05]
         step, start_epoch = load_checkpoint(args, model)  # [05]
+        if utils.finished(args.output_dir, step, last_step):  # started again after its end: its outputs stand
+            return
 
     record = utils.RunRecord(__file__, args, steps_per_epoch, device, amp=args.amp, world_size=world_size,  # [05]
                              zero_stage=model.zero_optimization_stage())  # [05]
@@ -238,10 +240,11 @@ def load_checkpoint(args, model):  # [05]
     directory = os.path.join(args.output_dir, "checkpoints")  # [05]
     # One clear error, the same on every rank, for no checkpoint or shards written by another world size.
     utils.check_zero_shards(directory, dist.get_world_size())  # [05] see its docstring
-    _, checkpoint = model.load_checkpoint(directory)  # [05] every rank reads its own shard of `latest`
-    utils.check_resumable(checkpoint, batch_size=args.batch_size, epochs=args.epochs, seed=args.seed, width=args.width)
+    path, checkpoint = model.load_checkpoint(directory)  # [05] every rank reads its own shard of `latest`
+    utils.check_resumable(path, checkpoint, batch_size=args.batch_size, epochs=args.epochs, seed=args.seed,
+                          width=args.width)
     utils.set_rng_state(checkpoint["rng"])
-    distributed.print0(f"resumed from step {checkpoint['step']}")  # [04]
+    utils.report_resume(path, checkpoint)
     return checkpoint["step"], checkpoint["epoch"]
 
 

@@ -92,6 +92,8 @@ def main():
     # Rank 0 decides, for every rank: a rank that cannot see the checkpoint stops the job with one error.
     if distributed.should_resume(args.resume, os.path.join(args.output_dir, "checkpoint.pt")):  # [04]
         step, start_epoch = load_checkpoint(args, accelerator, device)  # [06]
+        if utils.finished(args.output_dir, step, last_step):  # started again after its end: its outputs stand
+            return
 
     record = utils.RunRecord(__file__, args, len(train_loader), device, data="mnist", amp=args.amp,  # [06]
                              world_size=world_size)  # [06]
@@ -195,11 +197,12 @@ def save_checkpoint(args, accelerator, epoch, step):  # [06]
 
 def load_checkpoint(args, accelerator, device):  # [06]
     """Restore `save_checkpoint`'s state; returns the step and the epoch to continue from."""
-    checkpoint = utils.load_checkpoint(os.path.join(args.output_dir, "checkpoint.pt"), map_location=device)
-    utils.check_resumable(checkpoint, batch_size=args.batch_size, epochs=args.epochs, seed=args.seed,  # [06]
+    path = os.path.join(args.output_dir, "checkpoint.pt")
+    checkpoint = utils.load_checkpoint(path, map_location=device)
+    utils.check_resumable(path, checkpoint, batch_size=args.batch_size, epochs=args.epochs, seed=args.seed,
                           world_size=accelerator.num_processes)  # [06]
     accelerator.load_state(os.path.join(args.output_dir, "checkpoints", f"step{checkpoint['step']}"))  # [06]
-    distributed.print0(f"resumed from step {checkpoint['step']}")  # [04]
+    utils.report_resume(path, checkpoint)
     return checkpoint["step"], checkpoint["epoch"]
 
 

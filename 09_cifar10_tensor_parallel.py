@@ -175,6 +175,8 @@ def main():
     # Rank 0 decides, for every rank: a rank that cannot see the checkpoint stops the job with one error.
     if distributed.should_resume(args.resume, os.path.join(args.output_dir, "checkpoints", "latest")):  # [07]
         step, start_epoch = load_checkpoint(args, model, optimizer, scheduler, device)  # [09]
+        if utils.finished(args.output_dir, step, last_step):  # started again after its end: its outputs stand
+            return
 
     record = utils.RunRecord(__file__, args, len(train_loader), device, amp=args.amp, world_size=world_size,  # [09]
                              tp_size=tp_size)  # [09]
@@ -300,16 +302,17 @@ def save_checkpoint(args, model, optimizer, scheduler, epoch, step):  # [09]
 
 def load_checkpoint(args, model, optimizer, scheduler, device):  # [09]
     """Restore `save_checkpoint`'s state; returns the step and the epoch to continue from."""
-    directory = utils.latest_checkpoint(os.path.join(args.output_dir, "checkpoints"))  # [07]
-    checkpoint = utils.load_checkpoint(os.path.join(directory, "train_state.pt"), map_location=device)  # [07]
-    utils.check_resumable(checkpoint, batch_size=args.batch_size, epochs=args.epochs, seed=args.seed, width=args.width)
+    path = utils.latest_checkpoint(os.path.join(args.output_dir, "checkpoints"))  # [07]
+    checkpoint = utils.load_checkpoint(os.path.join(path, "train_state.pt"), map_location=device)  # [07]
+    utils.check_resumable(path, checkpoint, batch_size=args.batch_size, epochs=args.epochs, seed=args.seed,
+                          width=args.width)
     # Every rank reads the parts of the shards it now holds: a checkpoint loads at any world size.
     model_state, optimizer_state = get_state_dict(model, optimizer)  # [07] what to fill, sharded as now
-    dcp.load({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=directory)  # [07]
+    dcp.load({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=path)  # [07]
     set_state_dict(model, optimizer, model_state_dict=model_state, optim_state_dict=optimizer_state)  # [07]
     scheduler.load_state_dict(checkpoint["scheduler"])
     utils.set_rng_state(checkpoint["rng"])
-    distributed.print0(f"resumed from step {checkpoint['step']}")  # [04]
+    utils.report_resume(path, checkpoint)
     return checkpoint["step"], checkpoint["epoch"]
 
 

@@ -4,6 +4,7 @@ Errors, seeding, deterministic kernels, RNG state, atomic writes, JSON settings 
 record (its printed lines, history and metrics). The distributed helpers live in `common/distributed.py`.
 """
 
+import contextlib
 import gc
 import glob
 import json
@@ -290,16 +291,37 @@ def load_checkpoint(path, map_location):
 _NOT_FLAGS = {"world_size": "number of processes"}
 
 
-def check_resumable(checkpoint, **expected):
-    """Refuse a checkpoint written with settings that change the step -> batch mapping (or, where
-    each process saves its own random state, the number of processes)."""
+def check_resumable(path, checkpoint, **expected):
+    """Refuse the checkpoint at `path` if it was written with settings that change the step -> batch mapping
+    (or, where each process saves its own random state, the number of processes)."""
     for name, value in expected.items():
         if checkpoint[name] != value:
             flag = _NOT_FLAGS.get(name, "--" + name.replace("_", "-"))
-            raise UsageError(
-                f"checkpoint was written with {name}={checkpoint[name]}, this run has {value}; "
-                f"resume with the same {flag} or use a new --output-dir"
-            )
+            raise UsageError(f"{path} was written with {name}={checkpoint[name]}, this run has {value}; "
+                             f"resume with the same {flag} or use a new --output-dir")
+
+
+def report_resume(path, checkpoint):
+    """Rank 0's one line once a checkpoint is loaded: where the run continues."""
+    if is_main_process():
+        print(f"resumed from {path}: epoch {checkpoint['epoch'] + 1}, step {checkpoint['step']}", flush=True)
+
+
+def finished(output_dir, step, last_step):
+    """Whether a run that resumed at `step` had already ended: trained to `last_step` and written the outputs
+    of that step in `output_dir` (not those of an earlier, shorter run). It then leaves them as they are
+    (evaluating again would rewrite them with an empty epoch's figures) and says so. Rank 0 decides, for
+    every rank: all must return together."""
+    done = [False]
+    if step >= last_step and is_main_process():
+        with contextlib.suppress(OSError, ValueError, KeyError, TypeError):  # none or unreadable: write them again
+            with open(os.path.join(output_dir, "metrics.json")) as file:
+                done = [json.load(file)["steps"] == step]
+    if dist.is_available() and dist.is_initialized():
+        dist.broadcast_object_list(done, src=0)
+    if done[0] and is_main_process():
+        print(f"nothing to train: {output_dir} holds step {step} of {last_step}", flush=True)
+    return done[0]
 
 
 def is_main_process():

@@ -62,6 +62,12 @@ def load_state(path):
     return torch.load(path, map_location="cpu", weights_only=True)
 
 
+def resumed_steps(output):
+    """The steps named by a run's `resumed from FILE: epoch E, step S` lines (rank 0's), in order (not anchored to
+    a line: in a job's output file, another stream's bytes may share it)."""
+    return [int(step) for step in re.findall(r"resumed from \S+: epoch \d+, step (\d+)\b", output)]
+
+
 def saved_step(output_dir):
     """The step recorded in `checkpoint.pt`: 04's checkpoint itself, 06's pointer to its saved state."""
     return load_state(Path(output_dir) / "checkpoint.pt")["step"]

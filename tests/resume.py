@@ -2,7 +2,7 @@
 
 from data_dirs import tiny_cifar10
 from jobs import SHORT_RUN_ARGS, run_job
-from outputs import assert_same_weights, check_ok, read_metrics
+from outputs import assert_same_weights, check_ok, read_metrics, resumed_steps
 
 # A small data set, 10 steps of 24 samples per epoch, for two epochs: the first run stops in the
 # middle of epoch 1, between two checkpoints; the resumed run crosses into epoch 2.
@@ -21,9 +21,19 @@ def check_exact_resume(launch, tmp_path, make_data=tiny_cifar10, env=None):
     check_ok(run_job(launch(*args, "--max-steps", END_STEP, "--output-dir", straight), env=env))
     check_ok(run_job(launch(*args, "--max-steps", STOP_STEP, "--output-dir", stopped), env=env))
     resumed = check_ok(run_job(launch(*args, "--max-steps", END_STEP, "--resume", "--output-dir", stopped), env=env))
-    assert f"resumed from step {STOP_STEP}" in resumed.stdout
+    assert resumed_steps(resumed.stdout) == [STOP_STEP], resumed.stdout[-2000:]
     assert_same_weights(straight / "model.pt", stopped / "model.pt")
     a, b = read_metrics(straight), read_metrics(stopped)
     assert (b["steps"], b["epochs_completed"]) == (END_STEP, END_STEP // STEPS_PER_EPOCH)
     assert (a["test_loss"], a["test_accuracy"]) == (b["test_loss"], b["test_accuracy"])
     return stopped, args
+
+
+def check_a_finished_run_stands(launch, args, output_dir, env=None):
+    """Started again with --resume once it has ended, a run trains nothing, says so, and leaves its outputs as
+    they were, byte for byte (evaluating again would rewrite them with an empty epoch's figures)."""
+    before = {name: (output_dir / name).read_bytes() for name in ("model.pt", "metrics.json")}
+    again = check_ok(run_job(launch(*args, "--max-steps", END_STEP, "--resume", "--output-dir", output_dir), env=env))
+    assert f"nothing to train: {output_dir} holds step {END_STEP} of {END_STEP}\n" in again.stdout, again.stdout
+    assert resumed_steps(again.stdout) == [END_STEP]
+    assert {name: (output_dir / name).read_bytes() for name in before} == before

@@ -205,9 +205,9 @@ def test_damaged_checkpoint_is_a_clear_error(tmp_path, damage):
 
 def test_checkpoint_from_other_settings_is_refused():
     with pytest.raises(utils.UsageError, match="--batch-size"):
-        utils.check_resumable({"batch_size": 256, "epochs": 10}, batch_size=128, epochs=10)
+        utils.check_resumable("DIR/checkpoint.pt", {"batch_size": 256, "epochs": 10}, batch_size=128, epochs=10)
     with pytest.raises(utils.UsageError, match="same number of processes"):
-        utils.check_resumable({"world_size": 2}, world_size=3)
+        utils.check_resumable("DIR/checkpoint.pt", {"world_size": 2}, world_size=3)
 
 
 def test_model_is_the_documented_size_and_shape():

@@ -98,7 +98,7 @@ def cases(tmp, port):
             (python("01_cifar10_cpu.py", *SYNTHETIC_ARGS, "--resume", *out), {}, {str(tmp / "out"): "DIR"}),
         "`--resume` with other settings than the checkpoint's":
             (python("01_cifar10_cpu.py", *SYNTHETIC_ARGS, "--batch-size", 48, "--resume",
-                    "--output-dir", other_settings), {}, {}),
+                    "--output-dir", other_settings), {}, {str(other_settings): "DIR"}),
         "a corrupt or truncated checkpoint":
             (python("03_cifar10_dataparallel.py", *SYNTHETIC_ARGS, "--resume", "--output-dir",
                     truncated_checkpoint(tmp)), {}, {str(tmp): "DIR"}),

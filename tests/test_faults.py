@@ -15,7 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 from jobs import MNIST_LR, SYNTHETIC_ARGS, catches, loader_workers, run_job, with_default_workers, workers
 from launch import ROOT, forked, python, torchrun
-from outputs import assert_same_weights, check_ok, saved_step, trained_once
+from outputs import assert_same_weights, check_ok, resumed_steps, saved_step, trained_once
 
 # 30 steps of an epoch of 100, with a checkpoint every 10. The job is signalled once the checkpoint of step
 # KILL_AFTER_STEP exists and stops a step or two later; resumed, its worker is killed at the next checkpoint,
@@ -115,7 +115,7 @@ def test_a_signal_to_one_workers_process_group_stops_every_rank_at_one_step_and_
     assert reasons[1][1] == str(step) and 0 < step < FAULT_RUN_STEPS and saved_step(tmp_path) == step, reasons
     assert not (tmp_path / "model.pt").exists()  # a stopped run writes no final outputs
     resumed = check_ok(run_job(torchrun(2, script, *fault_run_args, "--resume", "--output-dir", tmp_path)))
-    assert f"resumed from step {step}" in resumed.stdout
+    assert resumed_steps(resumed.stdout) == [step], resumed.stdout[-2000:]
     assert_same_weights(uninterrupted(script), tmp_path / "model.pt")
 
 
@@ -156,7 +156,7 @@ def test_preempted_then_killed_job_resumes_each_time_to_the_uninterrupted_weight
     # names is the earliest by a timestamp in whole seconds: the killed worker, or the survivor whose
     # next collective broke in the same second, so the line's exit code is not checked.
     assert result.stderr.count("failed (exitcode: ") == 1, result.stderr[-3000:]
-    resumed = [int(line.split()[-1]) for line in result.stdout.splitlines() if line.startswith("resumed from step")]
+    resumed = resumed_steps(result.stdout)
     assert len(resumed) == 2 and resumed[0] == step < resumed[1] < FAULT_RUN_STEPS, result.stdout
     assert_same_weights(uninterrupted(script), tmp_path / "model.pt")
 
@@ -238,7 +238,7 @@ def test_crash_while_writing_a_checkpoint_leaves_the_previous_one_resumable(unin
     assert checkpoint.read_bytes() == good
     resumed = check_ok(run_job(torchrun(2, script, *FAULT_RUN_ARGS, *STEPS[script][0], "--resume",
                                         "--output-dir", tmp_path)))
-    assert f"resumed from step {KILL_AFTER_STEP}" in resumed.stdout
+    assert resumed_steps(resumed.stdout) == [KILL_AFTER_STEP], resumed.stdout[-2000:]
     assert_same_weights(uninterrupted(script), tmp_path / "model.pt")
 
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 from jobs import SMOKE_ARGS, SMOKE_STEPS, with_default_workers
 from launch import ON_GPU, ROOT, free_port
-from outputs import assert_same_weights, check_smoke_run, saved_step
+from outputs import assert_same_weights, check_smoke_run, resumed_steps, saved_step
 from slurm_cluster import ENDED, one_node_cluster, wait_until
 
 pytestmark = pytest.mark.full  # the full tier (docs/testing.md)
@@ -70,7 +70,7 @@ def test_slurm_job_trains_as_torchrun_does_also_when_its_time_limit_signal_reque
     [stopped] = re.findall(r"preempted: SIGUSR1 received; every rank stopped after step (\d+) ", output)
     assert SIGNAL_AFTER_STEP <= int(stopped) < SMOKE_STEPS, output[-5000:]
     assert "requeued: the next start resumes from the checkpoint" in output
-    assert f"resumed from step {stopped}" in output
+    assert resumed_steps(output) == [int(stopped)]
     assert "Restarts=1 " in slurm.run("scontrol", "--oneliner", "show", "job", job_id)
     check_smoke_run(tmp_path, "04_cifar10_ddp.py", world_size=2)
     assert_same_weights(ddp_weights, tmp_path / "model.pt")
