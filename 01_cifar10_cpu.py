@@ -53,7 +53,7 @@ def main():
     step, start_epoch = 0, 0
     if args.resume:
         step, start_epoch = load_checkpoint(args, model, optimizer, scheduler, device)
-        if utils.finished(args.output_dir, step, last_step):  # started again after its end: its outputs stand
+        if utils.finished(args.output_dir, step, last_step):  # run again after its end: rank 0 decides for all
             return
 
     record = utils.RunRecord(__file__, args, len(train_loader), device)

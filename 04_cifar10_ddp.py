@@ -88,7 +88,7 @@ def main():
     # Rank 0 decides, for every rank: a rank that cannot see the checkpoint stops the job with one error.
     if distributed.should_resume(args.resume, os.path.join(args.output_dir, "checkpoint.pt")):  # [04]
         step, start_epoch = load_checkpoint(args, model, optimizer, scheduler, scaler, device)  # [02]
-        if utils.finished(args.output_dir, step, last_step):  # started again after its end: its outputs stand
+        if utils.finished(args.output_dir, step, last_step):  # run again after its end: rank 0 decides for all
             return
 
     record = utils.RunRecord(__file__, args, len(train_loader), device, amp=args.amp, world_size=world_size)  # [04]

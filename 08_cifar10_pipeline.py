@@ -69,10 +69,10 @@ def main():
     if args.schedule == "1f1b" and args.microbatches < stages:  # [08] its steady state: a micro-batch per stage
         raise utils.UsageError(f"--schedule 1f1b needs at least as many --microbatches as --stages ({stages})")  # [08]
     replicas = world_size // stages  # [08] each replica is a whole pipeline
-    # The layout. By default 5 or 7 processes (4 micro-batches) get no pipeline: say why.
-    no_pipeline = not args.stages and stages == 1 < most  # [08]
-    distributed.print0(f"{stages} stage(s) x {replicas} replica(s)"  # [08]
-                       + (f": no stage count from 2 to {most} divides {world_size}" if no_pipeline else ""))  # [08]
+    # The layout. By default some world sizes (5 or 7 with 4 micro-batches) get no pipeline: say why.
+    no_pipeline = not args.stages and stages == 1 and world_size > 1  # [08]
+    distributed.print0(f"{stages} stage(s) x {replicas} replica(s)" + (  # [08]
+        f": no stage count from 2 to {most} divides {world_size} (--help)" if no_pipeline else ""))  # [08]
     if args.batch_size % (replicas * args.microbatches):  # [08] each replica cuts its share into micro-batches
         raise utils.UsageError(f"--batch-size {args.batch_size} is not divisible by {replicas} replica(s) x "  # [08]
                                f"--microbatches {args.microbatches}")  # [08]
@@ -123,7 +123,7 @@ def main():
     # Rank 0 decides, for every rank: a rank that cannot see the checkpoint stops the job with one error.
     if distributed.should_resume(args.resume, os.path.join(args.output_dir, "checkpoints", "latest")):  # [08]
         step, start_epoch = load_checkpoint(args, model, optimizer, scheduler, device)  # [08]
-        if utils.finished(args.output_dir, step, last_step):  # started again after its end: its outputs stand
+        if utils.finished(args.output_dir, step, last_step):  # run again after its end: rank 0 decides for all
             return
 
     record = utils.RunRecord(__file__, args, len(train_loader), device, amp=args.amp, world_size=world_size,  # [08]

@@ -1,7 +1,9 @@
 """Helpers that every step uses the same way and that are not the lesson.
 
 Errors, seeding, deterministic kernels, RNG state, atomic writes, JSON settings files and the run's
-record (its printed lines, history and metrics). The distributed helpers live in `common/distributed.py`.
+record (its printed lines, history and metrics), and whether a resumed run had finished (`finished`, a
+collective where there is a process group: 01-03 call it too). The distributed helpers live in
+`common/distributed.py`.
 """
 
 import contextlib
@@ -320,7 +322,8 @@ def finished(output_dir, step, last_step):
     if dist.is_available() and dist.is_initialized():
         dist.broadcast_object_list(done, src=0)
     if done[0] and is_main_process():
-        print(f"nothing to train: {output_dir} holds step {step} of {last_step}", flush=True)
+        past = f" of {last_step}" if step == last_step else f", past --max-steps {last_step}"
+        print(f"nothing to train: {output_dir} holds step {step}{past}", flush=True)
     return done[0]
 
 

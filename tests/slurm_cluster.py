@@ -5,6 +5,7 @@ started stopped at the end."""
 import contextlib
 import os
 import re
+import resource
 import shutil
 import signal
 import subprocess
@@ -133,24 +134,50 @@ class SlurmCluster:
             if time.monotonic() > deadline:
                 record = self.run("scontrol", "--oneliner", "show", "job", job_id)
                 processes = self.processes_of(job_id)
-                # Every Python thread's stack into the output (PYTHONFAULTHANDLER, self.env): where it hangs.
-                for pid in processes_with(f"SLURM_JOB_ID={job_id}"):
-                    with contextlib.suppress(OSError):
-                        if b"python" in Path("/proc", str(pid), "cmdline").read_bytes().split(b"\0")[0]:
-                            os.kill(pid, signal.SIGABRT)
-                time.sleep(3)
+                before = output.stat().st_size if output.exists() else 0
+                self.dump_stacks(job_id)
                 self.run("scancel", job_id)
+                printed = output.read_bytes()[before:].decode(errors="replace") if output.exists() else "no output"
                 pytest.fail(f"job {job_id} still {state} after {timeout}s: cancelled\n{record}\n{processes}\n"
-                            f"{output.read_text(errors='replace')[-5000:] if output.exists() else 'no output'}\n"
-                            f"{self.logs()}")
+                            f"--- the output before the stacks\n{output.read_text(errors='replace')[:before][-5000:]}"
+                            f"\n--- the stacks\n{printed[:30000]}\n{self.logs()}")
             time.sleep(0.2)
         return state
 
-    @staticmethod
-    def processes_of(job_id):
+    def job_processes(self, job_id):
+        """The pids of the job's processes (this cluster's job: its ids start at 1 on every cluster)."""
+        return sorted(set(processes_with(f"SLURM_JOB_ID={job_id}")) & set(processes_with(f"SLURM_CONF={self.conf}")))
+
+    def dump_stacks(self, job_id):
+        """Every thread's stack of each of the job's trainers (04), one after the other, into its output: each
+        aborts, and faulthandler (PYTHONFAULTHANDLER, self.env) prints the stacks. Not the launcher nor the
+        loader workers, whose stacks would bury the trainers'. No core file."""
+        def command(pid):
+            with contextlib.suppress(OSError):
+                return Path("/proc", str(pid), "cmdline").read_bytes().decode(errors="replace").split("\0")
+            return []
+
+        def parent(pid):
+            with contextlib.suppress(OSError):
+                return int(Path("/proc", str(pid), "stat").read_text().rsplit(")", 1)[1].split()[1])
+            return 0
+
+        def trainer(pid):
+            words = command(pid)
+            return any(word.endswith("04_cifar10_ddp.py") for word in words) and not any(
+                word.endswith("torchrun") for word in words)
+
+        for pid in self.job_processes(job_id):
+            if trainer(pid) and not trainer(parent(pid)):
+                with contextlib.suppress(OSError):
+                    resource.prlimit(pid, resource.RLIMIT_CORE, (0, 0))
+                    os.kill(pid, signal.SIGABRT)
+                time.sleep(1)
+
+    def processes_of(self, job_id):
         """Each process of the job: pid, state, the kernel call it waits in, command line."""
         lines = []
-        for pid in processes_with(f"SLURM_JOB_ID={job_id}"):
+        for pid in self.job_processes(job_id):
             with contextlib.suppress(OSError):  # it has just exited
                 proc = Path("/proc", str(pid))
                 state = (proc / "stat").read_text().rsplit(")", 1)[1].split()[0]

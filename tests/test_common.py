@@ -528,3 +528,22 @@ def test_a_stop_signal_pending_when_preemption_starts_is_received(tmp_path):
                     "os.execv(sys.executable, [sys.executable] + sys.argv[1:])")
     result = run_job(python("-c", blocked_exec, script), env={"PYTHONPATH": str(ROOT)}, timeout=60)
     assert result.returncode == 0 and result.stdout == "True\n" and not result.stderr, result.stderr[-3000:]
+
+
+@pytest.mark.parametrize("metrics, step, last_step, expected", [
+    (None, 14, 14, False),  # no outputs: evaluate and write them
+    ('{"steps": 10}', 14, 14, False),  # an earlier, shorter run's outputs
+    ('{"steps": 14}', 14, 14, True),
+    ('{"steps": 14}', 14, 10, True),  # --max-steps lowered below the checkpoint's step
+    ('{"steps": 14}', 12, 14, False),  # steps left to train
+    ('{"steps": ', 14, 14, False),  # unreadable
+    ('[14]', 14, 14, False),
+])
+def test_a_run_started_again_after_its_end_is_finished_only_with_that_steps_outputs(metrics, step, last_step,
+                                                                                   expected, tmp_path, capsys):
+    if metrics is not None:
+        (tmp_path / "metrics.json").write_text(metrics)
+    assert utils.finished(str(tmp_path), step, last_step) == expected
+    said = {(14, 14): f"nothing to train: {tmp_path} holds step 14 of 14\n",
+            (14, 10): f"nothing to train: {tmp_path} holds step 14, past --max-steps 10\n"}
+    assert capsys.readouterr().out == (said[step, last_step] if expected else "")

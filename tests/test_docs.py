@@ -143,10 +143,11 @@ def contract_table():
     flags = {}
     for cell, steps in re.findall(r"^\| (`--.+?) \| .+ \| (.+?) \|$", section, flags=re.M):
         numbers = set()
-        for part in steps.replace("all", "01–09").split(", "):
+        for part in steps.replace("all", f"{STEP_SCRIPTS[0][:2]}–{STEP_SCRIPTS[-1][:2]}").split(", "):
             first, _, last = part.partition("–")
             numbers |= set(range(int(first), int(last or first) + 1))
         for flag in re.findall(r"`(--[\w-]+)", cell):
+            assert flag not in flags, f"{flag} in two rows"
             flags[flag] = numbers
     return flags
 

@@ -9,7 +9,7 @@ import pytest
 from jobs import SMALL_RESNET9, SMOKE_ARGS, SYNTHETIC_ARGS, run_job
 from launch import forked, python, torchrun
 from outputs import check_ok, check_smoke_run, read_metrics
-from resume import END_STEP, check_exact_resume
+from resume import END_STEP, check_a_finished_run_stands, check_exact_resume
 
 SCRIPT = "08_cifar10_pipeline.py"
 
@@ -46,15 +46,20 @@ def test_five_processes_get_no_pipeline_and_say_why(tmp_path):
     result = check_ok(run_job(torchrun(5, SCRIPT, *SYNTHETIC_ARGS, *SMALL_RESNET9, "--batch-size", 40, "--max-steps", 1,
                                        "--output-dir", tmp_path), timeout=300))
     assert (read_metrics(tmp_path)["stages"], read_metrics(tmp_path)["world_size"]) == (1, 5)
-    assert "1 stage(s) x 5 replica(s): no stage count from 2 to 4 divides 5\n" in result.stdout
+    assert "1 stage(s) x 5 replica(s): no stage count from 2 to 4 divides 5 (--help)\n" in result.stdout
 
 
 @pytest.mark.full
 def test_resume_mid_epoch_matches_uninterrupted_run(tmp_path):
     """2 stages x 2 replicas: each stage writes its part of the weights and optimizer state once (the two
-    replicas hold it alike), each rank reads back its own; `latest` names the newest complete checkpoint."""
-    stopped, _ = check_exact_resume(lambda *args: forked(4, SCRIPT, *args, *SMALL_RESNET9, "--stages", 2),
-                                    tmp_path)
+    replicas hold it alike), each rank reads back its own; `latest` names the newest complete checkpoint.
+    Started again, the finished run stands."""
+
+    def launch(*args):
+        return forked(4, SCRIPT, *args, *SMALL_RESNET9, "--stages", 2)
+
+    stopped, args = check_exact_resume(launch, tmp_path)
+    check_a_finished_run_stands(launch, args, stopped)
     checkpoints = stopped / "checkpoints"
     assert (checkpoints / "latest").read_text() == f"step{END_STEP}"
     assert sorted(path.name for path in checkpoints.iterdir()) == ["latest", f"step{END_STEP}"]

@@ -70,7 +70,7 @@ def test_slurm_job_trains_as_torchrun_does_also_when_its_time_limit_signal_reque
     [stopped] = re.findall(r"preempted: SIGUSR1 received; every rank stopped after step (\d+) ", output)
     assert SIGNAL_AFTER_STEP <= int(stopped) < SMOKE_STEPS, output[-5000:]
     assert "requeued: the next start resumes from the checkpoint" in output
-    assert resumed_steps(output) == [int(stopped)]
+    assert resumed_steps(output) == [int(stopped)], output[-5000:]
     assert "Restarts=1 " in slurm.run("scontrol", "--oneliner", "show", "job", job_id)
     check_smoke_run(tmp_path, "04_cifar10_ddp.py", world_size=2)
     assert_same_weights(ddp_weights, tmp_path / "model.pt")
