@@ -106,8 +106,8 @@ def main():
     # (DeepSpeed checks train_batch_size = micro batch x gradient accumulation steps x world size).
     config.update(train_batch_size=args.batch_size, train_micro_batch_size_per_gpu=batch_size,  # [05]
                   gradient_accumulation_steps=accumulation_steps)  # [05]
-    # torch.autocast, not DeepSpeed's "bf16" and "fp16", which cast the model (BatchNorm's statistics too) to
-    # 16 bits. The engine runs its forward pass in the config's autocast, and would turn ours off without it.
+    # torch.autocast, not DeepSpeed's "bf16" and "fp16", which cast the parameters (BatchNorm's too) to 16
+    # bits. The engine runs its forward pass in the config's autocast, and would turn ours off without it.
     if amp_dtype is not None:  # [05]
         config["torch_autocast"] = {"enabled": True, "dtype": args.amp}  # [05] fp16: the engine's GradScaler
     if args.zero_stage is not None:  # [05]

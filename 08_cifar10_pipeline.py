@@ -213,7 +213,7 @@ def evaluate(schedule, stage, mesh, loader, batch_size, device, amp_dtype, tta):
     distributed.broadcast_buffers(stage.submod, group=mesh["dp"].get_group())  # [08]
     totals = torch.zeros(3, dtype=torch.float64, device=device)  # loss sum, correct, samples
     for images, labels in loader:
-        # The stages expect the training shapes: pad a smaller last batch with zeros, count only the real samples.
+        # Every batch keeps the first one's shape (inferred once per evaluation): pad a smaller last one with zeros.
         count = len(labels)  # [08]
         images = torch.cat([images, images.new_zeros(batch_size - count, *images.shape[1:])])  # [08]
         padded_labels = torch.cat([labels, labels.new_zeros(batch_size - count)])  # [08]

@@ -9,7 +9,7 @@ Each edit is made in a copy of the repository (its files as git lists them), nev
 first runs, unchanged, every test named below: they must pass (otherwise a failure would prove nothing). Then,
 for each edit, a fresh copy with that edit runs the quick-tier tests that hold its claim (`pytest -x`, with the
 quick tier's marker expression from pyproject.toml): a failure is a catch. Exit status 1 if an edit is missed.
-On the 2-core development CPU the whole check takes about 8 minutes (docs/testing.md)."""
+docs/testing.md says how long the whole check takes."""
 
 import argparse
 import os

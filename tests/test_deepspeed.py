@@ -62,7 +62,7 @@ def test_deepspeed_step(launcher, nproc, zero_stage, amp, request, tmp_path):
 @pytest.mark.parametrize("zero_stage", [0, 3])
 def test_amp_keeps_the_weights_and_batchnorm_statistics_in_fp32(zero_stage, tmp_path):
     """--amp bf16 is torch.autocast inside the engine (the config's torch_autocast), not DeepSpeed's bf16
-    mode, which casts the whole model: after a few steps, model.pt's weights and BatchNorm statistics are
+    mode, which casts the parameters: after a few steps, model.pt's weights and BatchNorm statistics are
     fp32 numbers that bf16 cannot hold (the module's own state with ZeRO-0, zero_to_fp32's with ZeRO-3)."""
     data_dir = tiny_cifar10(tmp_path / "data", 96, 10)
     check_ok(launch("torchrun", 2, "--data-dir", data_dir, *SHORT_RUN_ARGS, "--max-steps", 3, "--zero-stage",

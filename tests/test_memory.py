@@ -35,7 +35,7 @@ def measured(tmp_path_factory):
         pytest.skip(f"{WORLD_SIZE} processes need as many GPUs")
     directory = tmp_path_factory.mktemp("memory")
     records, picture = directory / "memory.json", directory / "memory.png"
-    # DeepSpeed's three launches take about 25 s each on 2 CPU cores, the others about 12 s.
+    # DeepSpeed's three launches take twice as long as the others (its op, its engine).
     result = check_ok(run_job(python(ROOT / "benchmarks" / "memory.py", "--methods", *METHODS, "--world-sizes",
                                      WORLD_SIZE, "--json", records, "--output", picture), timeout=480))
     by_method = {}
