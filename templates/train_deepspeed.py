@@ -143,7 +143,7 @@ def main():
         "train_micro_batch_size_per_gpu": args.batch_size // world_size,
         "zero_optimization": {"stage": 2},  # 1: optimizer state partitioned, 2: and gradients, 3: and weights
         "zero_allow_untested_optimizer": True,  # a torch optimizer under ZeRO
-        "bf16": {"enabled": False},  # True on GPUs that have it; then feed it bf16 inputs
+        "torch_autocast": {"enabled": False, "dtype": "bf16"},  # True on bf16 GPUs (a "bf16" section casts BatchNorm)
     }
     # The engine broadcasts rank 0's weights, wraps the optimizer for ZeRO, averages the gradients and steps the
     # schedule; its checkpoints hold all three.
