@@ -109,7 +109,7 @@ def main():
     # torch.autocast, not DeepSpeed's "bf16" and "fp16", which cast the parameters (BatchNorm's too) to 16
     # bits. The engine runs its forward pass in the config's autocast, and would turn ours off without it.
     if amp_dtype is not None:  # [05]
-        config["torch_autocast"] = {"enabled": True, "dtype": args.amp}  # [05] fp16: the engine's GradScaler
+        config["torch_autocast"] = {"enabled": True, "dtype": args.amp}  # [05] fp16: a torch GradScaler
     if args.zero_stage is not None:  # [05]
         config.setdefault("zero_optimization", {})["stage"] = args.zero_stage  # [05]
     # The engine broadcasts rank 0's weights, wraps the optimizer (for ZeRO and 16 bits), averages the
@@ -172,7 +172,7 @@ def train_one_epoch(args, model, loader, accumulation_steps, steps_per_epoch,  #
             loss = F.cross_entropy(model(images), labels, label_smoothing=args.label_smoothing)  # [02]
         boundary = model.is_gradient_accumulation_boundary()  # [05] the Nth micro-batch? Ask before step() counts it
         model.backward(loss)  # [05] scales the loss by 1/N (and for fp16), adds to the gradients, averages them
-        model.step()  # [05] at the Nth: optimizer step and schedule (skipped if fp16 overflowed), zero_grad
+        model.step()  # [05] at the Nth: optimizer step (skipped if fp16 overflowed), schedule, zero_grad
         loss_sum += loss.detach()  # [05] every micro-batch's loss: the mean is over all of them
         if not boundary:  # [05] the first N-1 micro-batches of a step only add up gradients: no step to count
             continue  # [05]
@@ -185,7 +185,7 @@ def train_one_epoch(args, model, loader, accumulation_steps, steps_per_epoch,  #
             logged_loss = distributed.all_reduce_mean(loss).item()  # [04]
             utils.check_finite(logged_loss, step)  # a diverged run stops here, before it saves its NaN weights
             progress.set_postfix(loss=f"{logged_loss:.3f}")
-        # Every rank saves, its own shard. Always at the end: under ZeRO, model.pt is rebuilt from it.
+        # Every rank saves, its own shard. Always at the end: under ZeRO-3, model.pt is rebuilt from it.
         if checkpoint_due:  # [05]
             save_checkpoint(args, model, epoch, step)  # [05]
         if stop:  # [04]

@@ -176,7 +176,7 @@ def evaluate(model, loader, device, accelerator):  # [06]
 
 def save_checkpoint(args, accelerator, epoch, step):  # [06]
     """Everything a resumed run needs to continue as if it had never stopped."""
-    # On every process: the main one writes model, optimizer, schedule and loss scale, each its random state.
+    # On every process: the main one writes model, optimizer and schedule; each its random state and the scale.
     directory = os.path.join(args.output_dir, "checkpoints", f"step{step}")  # [06]
     accelerator.save_state(directory)  # [06]
     accelerator.wait_for_everyone()  # [06] every file complete before checkpoint.pt names the directory

@@ -1,11 +1,11 @@
 """Step 07: the same processes, with PyTorch's own sharding: FSDP2 (`fully_shard`).
 
-New (relative to step 04; lines marked `# [07]`): instead of a whole replica per rank, each rank keeps
-1/N of every weight, gradient and optimizer state. `fully_shard` makes each residual block, each BatchNorm
-layer and the root a unit, gathered just before it runs and freed after; the gradients are reduce-scattered,
-so each rank updates only its shard. Checkpoints are sharded too (torch.distributed.checkpoint): every
-rank writes and reads its own shard, and they load at any world size. `--amp` is FSDP's mixed-precision
-policy instead of autocast. Without GPUs: gloo on the CPU.
+New (relative to step 04; lines marked `# [07]`): instead of a whole replica per rank, each rank keeps 1/N
+of every weight, gradient and optimizer state. `fully_shard` makes each residual block, each BatchNorm
+layer and the root a unit, gathered just before it runs and freed after (the root's: after backward); the
+gradients are reduce-scattered, so each rank updates only its shard. Checkpoints are sharded too
+(torch.distributed.checkpoint): every rank writes and reads its own shard, and they load at any world
+size. `--amp` is FSDP's mixed-precision policy instead of autocast. Without GPUs: gloo on the CPU.
 
 Launch:
     torchrun --nproc_per_node=N 07_cifar10_fsdp.py --amp bf16              # N GPUs on this machine

@@ -86,13 +86,13 @@ def main():
         raise utils.UsageError(f"--batch-size {args.batch_size} is larger than the training set ({len(train_set)})")
     # rank = stage x replicas + replica: a stage's replicas are neighbours, its all-reduce within a machine.
     stage_index, replica = divmod(rank, replicas)  # [08] as the mesh below lays the ranks out
-    # Every rank shuffles alike and keeps every world_size-th sample: disjoint shares of 01's global batch.
+    # Every replica shuffles alike and keeps every replicas-th sample: disjoint shares of 01's global batch.
     # Per replica: all its stages read the same batches (the first stage uses the images, the last the labels).
     sampler = DistributedSampler(train_set, num_replicas=replicas, rank=replica, seed=args.seed, drop_last=True)  # [08]
     # Whole batches, cut and augmented on `device` in a few tensor operations (docs/data-and-model.md).
     train_loader = data.BatchLoader(train_set, batch_size, sampler=sampler, drop_last=True,  # [04]
                                     device=device, num_workers=args.num_workers)
-    # A disjoint slice per rank; DistributedSampler would pad the slices with repeats, counting some twice.
+    # A disjoint slice per replica; DistributedSampler would pad the slices with repeats, counting some twice.
     test_shard = Subset(test_set, range(replica, len(test_set), replicas))  # [08]
     test_loader = data.BatchLoader(test_shard, batch_size, device=device, num_workers=args.num_workers)  # [04]
 

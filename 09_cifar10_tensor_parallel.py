@@ -97,13 +97,13 @@ def main():
     # rank = replica x tp_size + tp rank: a group's ranks are neighbours, on one machine, since every layer
     # communicates within the group; FSDP2's few collectives per unit and step cross machines.
     replica = rank // tp_size  # [09] as the mesh below lays the ranks out
-    # Every rank shuffles alike and keeps every world_size-th sample: disjoint shares of 01's global batch.
+    # Every replica shuffles alike and keeps every replicas-th sample: disjoint shares of 01's global batch.
     # Per replica: the ranks of a tensor-parallel group must compute on the same images.
     sampler = DistributedSampler(train_set, num_replicas=replicas, rank=replica, seed=args.seed, drop_last=True)  # [09]
     # Whole batches, cut and augmented on `device` in a few tensor operations (docs/data-and-model.md).
     train_loader = data.BatchLoader(train_set, batch_size, sampler=sampler, drop_last=True,  # [04]
                                     device=device, num_workers=args.num_workers)
-    # A disjoint slice per rank; DistributedSampler would pad the slices with repeats, counting some twice.
+    # A disjoint slice per replica; DistributedSampler would pad the slices with repeats, counting some twice.
     test_shard = Subset(test_set, range(replica, len(test_set), replicas))  # [09]
     # Every forward pass gathers each unit's weights from every rank, so every rank must run as many test
     # batches as the others: each slice is cut into the same number of batches.

@@ -31,8 +31,9 @@ def all_reduce_mean(value):
 
 def broadcast_buffers(model, group=None):
     """Give every rank of `group` (default: all) the buffers of the group's first rank (BatchNorm's running
-    statistics). DDP broadcasts them itself, but only in a forward pass that follows a training step, and
-    only on the ranks that run one; FSDP and DeepSpeed never do. Every rank of the group must call it."""
+    statistics). DDP broadcasts them itself, but only in its first forward pass and in each that follows a
+    training step, and only on the ranks that run one; FSDP and DeepSpeed never do. Every rank of the group
+    must call it."""
     for buffer in model.buffers():
         dist.broadcast(buffer, group=group, group_src=0)
 

@@ -202,8 +202,8 @@ def count_parameters(model):
 
 def load_weights(path, model_class=ResNet9, **options):
     """A `model.pt` written by any step, loaded on the CPU into a fresh `model_class(**options)`
-    (`ResNet9` for the CIFAR-10 steps 01-05 and 07, with `norm="group"` if trained with --norm group;
-    `MnistCNN` for step 06)."""
+    (`ResNet9` for the CIFAR-10 steps 01-05, 07 and 08, with `norm="group"` if trained with --norm group;
+    `MnistCNN` for step 06; `VisionTransformer` for step 09)."""
     model = model_class(**options)
     model.load_state_dict(torch.load(path, map_location="cpu", weights_only=True))
     return model

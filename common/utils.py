@@ -236,15 +236,15 @@ def write_text(text, path):
 
 
 def remove_other_checkpoints(directory, keep):
-    """Delete every entry of `directory` but `keep` (a checkpoint directory) and `latest`: once the
-    newest checkpoint is complete, the older ones are no longer needed."""
+    """Delete every checkpoint directory in `directory` but `keep` (files stay: `latest`, DeepSpeed's
+    zero_to_fp32.py): once the newest checkpoint is complete, the older ones are no longer needed."""
     for name in os.listdir(directory):
         if name not in (keep, "latest"):
             shutil.rmtree(os.path.join(directory, name), ignore_errors=True)
 
 
 def latest_checkpoint(directory):
-    """The checkpoint directory that `directory/latest` names: 05 and 07 write `latest` last, atomically,
+    """The checkpoint directory that `directory/latest` names: 05 and 07-09 write `latest` last, atomically,
     once the checkpoint it names is complete."""
     latest = os.path.join(directory, "latest")
     if not os.path.isfile(latest):

@@ -107,7 +107,7 @@ def main():
         cpu=not torch.cuda.is_available(),  # without it, CPU processes under torchrun would each train alone
         # --batch-size is global: `prepare` splits each batch. The seedable sampler shuffles by (seed, epoch).
         dataloader_config=DataLoaderConfiguration(split_batches=True, use_seedable_sampler=True, data_seed=args.seed),
-        # A short timeout: a job whose rank died fails in minutes instead of after the default 30. (A model with
+        # A short timeout: a job whose rank died fails in minutes, not after gloo's 30 (NCCL's 10). (A model with
         # parameters that some steps leave unused: add DistributedDataParallelKwargs(find_unused_parameters=True).)
         kwargs_handlers=[InitProcessGroupKwargs(timeout=datetime.timedelta(minutes=5))],
     )
@@ -142,7 +142,7 @@ def main():
 
     stop = False  # becomes True on every process at the same step once any process was signalled
     for epoch in range(step // len(train_loader), args.epochs):
-        train_loader.set_epoch(epoch)  # the prepared loader's: without it, every epoch repeats one order
+        train_loader.set_epoch(epoch)  # the prepared loader counts epochs itself, but a resumed run from 0
         model.train()
         loss_sum = torch.zeros(2, device=accelerator.device)  # loss sum, batches
         # Trained before the run was stopped: skipped, without reading them.

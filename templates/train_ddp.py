@@ -103,7 +103,7 @@ def main():
     device = torch.device("cuda", local_rank) if torch.cuda.is_available() else torch.device("cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)  # before any CUDA work, or every process would use GPU 0
-    # A short timeout: a job whose rank died fails in minutes instead of after the default 30.
+    # A short timeout: a job whose rank died fails in minutes instead of after gloo's 30 (NCCL's 10).
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=datetime.timedelta(minutes=5),
                             device_id=device if device.type == "cuda" else None)  # NCCL: bound to this GPU
     # The stop flag's all-reduce: on the CPU (no GPU sync per step), with the same short timeout (a new group's is 30).

@@ -108,7 +108,7 @@ def main():
     device = torch.device("cuda", local_rank) if torch.cuda.is_available() else torch.device("cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)  # before any CUDA work, or every process would use GPU 0
-    # A short timeout: a job whose rank died fails in minutes instead of after the default 30.
+    # A short timeout: a job whose rank died fails in minutes instead of after gloo's 30 (NCCL's 10).
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=datetime.timedelta(minutes=5),
                             device_id=device if device.type == "cuda" else None)  # NCCL: bound to this GPU
     # The stop flag's all-reduce: on the CPU (no GPU sync per step), with the same short timeout (a new group's is 30).
@@ -197,7 +197,7 @@ def main():
         metrics = {"world_size": world_size, "epochs": args.epochs, **evaluate(model, test_loader, device)}
         if rank == 0:
             print(json.dumps(metrics), flush=True)
-            # Under ZeRO the fp32 weights exist only as the ranks' shards: rebuilt from the last checkpoint.
+            # Whole fp32 weights at any ZeRO stage (under ZeRO-3 only shards exist): from the last checkpoint.
             weights = get_fp32_state_dict_from_zero_checkpoint(checkpoints, tag=f"step{step}")
             torch.save(weights, os.path.join(args.output_dir, "model.pt"))
             Path(args.output_dir, "metrics.json").write_text(json.dumps(metrics, indent=2))

@@ -140,7 +140,7 @@ def test_a_node_that_dies_fails_the_job_at_once(tmp_path):
 def test_two_deepspeed_nodes_without_ssh(ddp_weights, tmp_path):
     """A hostfile of two machines, and the launcher started on each by hand: a world of 2 that takes
     exactly DDP's steps (as on one machine, tests/test_deepspeed.py). The first DeepSpeed run on a
-    machine compiles a small op (1-2 minutes): the timeout allows for it."""
+    machine compiles a small op (about 45 s on 2 cores, unless install.sh built it): the timeout allows for it."""
     hostfile = tmp_path / "hostfile"
     hostfile.write_text("node0 slots=1\nnode1 slots=1\n")
     output_dir = tmp_path / "run"
