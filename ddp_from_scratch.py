@@ -132,7 +132,7 @@ class DataParallelFromScratch(nn.Module):
 
     def _finish(self):
         if self.next_bucket < len(self.buckets):
-            # Every rank would wait forever for a bucket that is never complete.
+            # Else that bucket and the later ones would never be averaged: the replicas would drift apart silently.
             raise RuntimeError("a parameter got no gradient in this backward: torch's DDP handles that with "
                                "find_unused_parameters=True, this wrapper does not")
         for bucket, flat, handle in self.in_flight:
