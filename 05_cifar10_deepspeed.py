@@ -33,7 +33,7 @@ from common import data, distributed, flags, models, utils  # [04]
 def parse_args():
     parser = flags.build_parser(__file__, __doc__, epochs=10, batch_size=256, lr=0.2)
     flags.add_cifar10_arguments(parser)
-    flags.add_amp_argument(parser, fp16_cpu_refusal="DeepSpeed has no fp16 on the CPU")  # [05]
+    flags.add_amp_argument(parser, fp16_cpu_refusal="05 runs DeepSpeed's fp16 on GPUs only")  # [05]
     parser.add_argument("--zero-stage", type=int, choices=[0, 1, 2, 3], help="default: the config's")  # [05]
     parser.add_argument("--gradient_accumulation_steps", "--gradient-accumulation-steps", metavar="N",  # [05]
                         type=flags.positive_int, help="micro-batches per optimizer step (default: the config)")  # [05]

@@ -122,7 +122,7 @@ def train(args):
     elif args.init in ("tcp", "spawn"):  # rank 0 listens on the address, the others connect to it
         url = f"tcp://{args.master_addr}:{args.master_port}"
         dist.init_process_group(backend, init_method=url, rank=args.rank, world_size=args.world_size, timeout=TIMEOUT)
-    else:  # the processes meet in a file: a shared file system, no open port needed
+    else:  # the processes meet in a file on a shared file system (no rendezvous port; gloo still connects them)
         init_file = os.path.abspath(args.init_file)  # file:// and an absolute path: file:///shared/...
         # A file left by an earlier job holds the addresses of its dead processes: a new job may read them
         # and hang until its timeout. So each process claims its rank in the file first, and a rank claimed

@@ -5,12 +5,12 @@
     python benchmarks/throughput.py --amp bf16 --nproc 1 --nondeterministic   # on one GPU, both ways
 
 Each CIFAR-10 step (01-05, 07-09) trains for --max-steps steps with the same global batch and reports
-`samples_per_second` from its metrics.json (training only: evaluation excluded). 04, 05 (the
-config's ZeRO-2), 07 (FSDP2), 08 (--nproc pipeline stages, 4 micro-batches, 1F1B) and 09 (its vision transformer,
-tensor-parallel groups of 2) run with --nproc processes under torchrun (gloo on CPUs, NCCL on GPUs); 08 has no
-fp16 (leave it out with --steps). 09 trains another model: its row compares methods and models together. Timings on
-a shared machine are noisy: every step runs --repeat times, in interleaved rounds, and the table
-shows the best of them. With --nondeterministic each step also runs through
+`samples_per_second` from its metrics.json (training only: evaluation excluded). 04, 05 (the config's ZeRO-2),
+07 (FSDP2), 08 (--nproc pipeline stages, 4 micro-batches, 1F1B) and 09 (its vision transformer,
+tensor-parallel groups of 2) run with --nproc processes under torchrun (gloo on CPUs, NCCL on GPUs); 08 and 09
+have no fp16, and 05 none without a GPU (leave them out with --steps). 09 trains another model: its row
+compares methods and models together. Timings on a shared machine are noisy: every step runs --repeat times,
+in interleaved rounds, and the table shows the best of them. With --nondeterministic each step also runs through
 benchmarks/nondeterministic.py, without deterministic GPU kernels, and the last column shows what
 determinism costs (on a CPU the steps use none, and the column shows the noise).
 """
@@ -44,7 +44,7 @@ def parse_args(argv=None):
     parser.add_argument("--nproc", type=int, default=2, help="processes for the multi-process steps")
     parser.add_argument("--steps", nargs="*", choices=STEPS, default=STEPS, help="only these steps")
     parser.add_argument("--amp", choices=["none", "fp16", "bf16"], default="none",
-                        help="mixed precision for the steps that have it (02-05, 07-09; 08: not fp16)")
+                        help="mixed precision for the steps that have it (02-05, 07-09; 08, 09: not fp16)")
     parser.add_argument("--repeat", type=int, default=3, help="runs of each step; the best counts")
     parser.add_argument("--nondeterministic", action="store_true",
                         help="also run each step without deterministic GPU kernels, and compare")

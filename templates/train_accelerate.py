@@ -82,11 +82,11 @@ def main():
         signal.signal(number, lambda number, frame: signalled.append(number))
     # torchrun and Slurm signal the data loader's worker processes too, which die of it mid-step. Blocked here,
     # before any starts, the signals stay blocked in them; one thread waits for them instead. (Spawned workers
-    # need multiprocessing's resource tracker, which unblocks them where it starts: start it first.)
+    # need multiprocessing's resource tracker, which unblocks SIGTERM where it starts: start it first.)
     resource_tracker.ensure_running()
     signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
     threading.Thread(target=lambda: signalled.append(signal.sigwait(STOP_SIGNALS)), daemon=True).start()
-    # The launcher's numbers: torchrun's, or mpirun's (Accelerate reads both).
+    # The launcher's numbers: torchrun's, or mpirun's (Accelerate reads these on CPUs only).
     rank = get_int_from_env(["RANK", "PMI_RANK", "OMPI_COMM_WORLD_RANK", "MV2_COMM_WORLD_RANK"], 0)
     world_size = get_int_from_env(["WORLD_SIZE", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "MV2_COMM_WORLD_SIZE"], 1)
     # `accelerate launch --num_processes N` without GPUs or mpirun starts one process, with only a master's port

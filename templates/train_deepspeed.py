@@ -89,7 +89,7 @@ def main():
         signal.signal(number, lambda number, frame: signalled.append(number))
     # torchrun and Slurm signal the data loader's worker processes too, which die of it mid-step. Blocked here,
     # before any starts, the signals stay blocked in them; one thread waits for them instead. (Spawned workers
-    # need multiprocessing's resource tracker, which unblocks them where it starts: start it first.)
+    # need multiprocessing's resource tracker, which unblocks SIGTERM where it starts: start it first.)
     resource_tracker.ensure_running()
     signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
     threading.Thread(target=lambda: signalled.append(signal.sigwait(STOP_SIGNALS)), daemon=True).start()
