@@ -11,9 +11,10 @@ STOP_STEP, END_STEP, SAVE_EVERY = 6, 14, 4
 assert STOP_STEP < STEPS_PER_EPOCH < END_STEP < 2 * STEPS_PER_EPOCH and STOP_STEP % SAVE_EVERY
 
 
-def check_exact_resume(launch, tmp_path, make_data=tiny_cifar10, env=None):
+def check_exact_resume(launch, tmp_path, make_data=tiny_cifar10, env=None, again=False):
     """A run stopped at STOP_STEP and resumed to END_STEP ends with the weights and metrics of a run
-    straight to END_STEP. `launch(*args)` gives the command line; `make_data` writes the data set.
+    straight to END_STEP. `launch(*args)` gives the command line; `make_data` writes the data set. With
+    `again`, the finished run is started once more and must stand (check_a_finished_run_stands).
     Returns the stopped run's output directory and its arguments, without --max-steps."""
     data_dir = make_data(tmp_path / "data", TRAIN_SIZE, TEST_SIZE)
     args = ["--data-dir", data_dir, *SHORT_RUN_ARGS, "--epochs", 2, "--save-every", SAVE_EVERY]
@@ -26,6 +27,8 @@ def check_exact_resume(launch, tmp_path, make_data=tiny_cifar10, env=None):
     a, b = read_metrics(straight), read_metrics(stopped)
     assert (b["steps"], b["epochs_completed"]) == (END_STEP, END_STEP // STEPS_PER_EPOCH)
     assert (a["test_loss"], a["test_accuracy"]) == (b["test_loss"], b["test_accuracy"])
+    if again:
+        check_a_finished_run_stands(launch, args, stopped, env)
     return stopped, args
 
 

@@ -71,6 +71,18 @@ def processes_with(variable):
     return found
 
 
+def process_status(pid):
+    """A process's state, parent, the kernel call it waits in and command line (words), from /proc; an empty
+    command line for one that has exited."""
+    proc = Path("/proc", str(pid))
+    try:
+        fields = (proc / "stat").read_text().rsplit(")", 1)[1].split()
+        return {"state": fields[0], "parent": int(fields[1]), "wchan": (proc / "wchan").read_text() or "-",
+                "command": (proc / "cmdline").read_bytes().decode(errors="replace").split("\0")[:-1]}
+    except OSError:  # it has just exited
+        return {"state": "-", "parent": 0, "wchan": "-", "command": []}
+
+
 def wait_until(condition, timeout, what):
     deadline = time.monotonic() + timeout
     while not condition():
@@ -152,23 +164,13 @@ class SlurmCluster:
         """Every thread's stack of each of the job's trainers (04), one after the other, into its output: each
         aborts, and faulthandler (PYTHONFAULTHANDLER, self.env) prints the stacks. Not the launcher nor the
         loader workers, whose stacks would bury the trainers'. No core file."""
-        def command(pid):
-            with contextlib.suppress(OSError):
-                return Path("/proc", str(pid), "cmdline").read_bytes().decode(errors="replace").split("\0")
-            return []
-
-        def parent(pid):
-            with contextlib.suppress(OSError):
-                return int(Path("/proc", str(pid), "stat").read_text().rsplit(")", 1)[1].split()[1])
-            return 0
-
         def trainer(pid):
-            words = command(pid)
+            words = process_status(pid)["command"]
             return any(word.endswith("04_cifar10_ddp.py") for word in words) and not any(
                 word.endswith("torchrun") for word in words)
 
         for pid in self.job_processes(job_id):
-            if trainer(pid) and not trainer(parent(pid)):
+            if trainer(pid) and not trainer(process_status(pid)["parent"]):
                 with contextlib.suppress(OSError):
                     resource.prlimit(pid, resource.RLIMIT_CORE, (0, 0))
                     os.kill(pid, signal.SIGABRT)
@@ -176,13 +178,8 @@ class SlurmCluster:
 
     def processes_of(self, job_id):
         """Each process of the job: pid, state, the kernel call it waits in, command line."""
-        lines = []
-        for pid in self.job_processes(job_id):
-            with contextlib.suppress(OSError):  # it has just exited
-                proc = Path("/proc", str(pid))
-                state = (proc / "stat").read_text().rsplit(")", 1)[1].split()[0]
-                command = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-                lines.append(f"{pid} {state} {(proc / 'wchan').read_text() or '-'} {command}")
+        lines = [f"{pid} {status['state']} {status['wchan']} {' '.join(status['command'])}"
+                 for pid in self.job_processes(job_id) if (status := process_status(pid))["command"]]
         return "\n".join(lines) or "no processes"
 
     def jobs(self):
