@@ -11,7 +11,6 @@ Launch:
 Next: 05_cifar10_deepspeed.py hands the optimizer step, precision and sharding to DeepSpeed.
 """
 
-import datetime  # [04]
 import os
 
 import torch
@@ -33,134 +32,159 @@ def parse_args():
 
 def main():
     args = parse_args()
-    # SIGTERM or SIGUSR1 (preemption, a time limit near): stop at a step that all ranks agree on, saved.
-    preemption = distributed.Preemption()  # [04] before anything slow: the default action would kill the process
-    utils.seed_everything(args.seed)
-    # torchrun tells each process its rank, its local rank (the GPU it drives) and the world size.
-    distributed.default_to_a_world_of_one()  # [04] started by plain `python`
-    rank, local_rank, world_size = (int(os.environ[name]) for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE"))  # [04]
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # [02]
-    if device.type == "cuda":  # [02]
-        distributed.require_one_gpu_per_process()  # [04]
-        torch.cuda.set_device(local_rank)  # [04] before any CUDA work, or every process would use GPU 0
-        utils.use_deterministic_kernels()  # [02] or --resume drifts from an uninterrupted run
-    else:  # [02]
-        distributed.print0("no GPU found: training on the CPU")  # [04]
-    amp_dtype = flags.AMP_DTYPES[args.amp]  # [02] None: plain fp32
-    if args.batch_size % world_size:  # [04] --batch-size is global: each process takes an equal share
-        raise utils.UsageError(f"--batch-size {args.batch_size} is not divisible "  # [04]
-                               f"by the world size {world_size}")  # [04]
-    batch_size = args.batch_size // world_size  # [04]
-
-    # Before the process group, whose timeout a slow download would outlast (one process per machine downloads).
-    if not args.synthetic:
-        data.download_cifar10(args.data_dir)
-    train_set, test_set = data.load_cifar10(args.data_dir, args.synthetic, seed=args.seed)
-    if args.batch_size > len(train_set):
-        raise utils.UsageError(f"--batch-size {args.batch_size} is larger than the training set ({len(train_set)})")
-    # Every rank shuffles alike and keeps every world_size-th sample: disjoint shares of 01's global batch.
-    sampler = DistributedSampler(train_set, num_replicas=world_size, rank=rank, seed=args.seed, drop_last=True)  # [04]
-    # Whole batches, cut and augmented on `device` in a few tensor operations (docs/data-and-model.md).
-    train_loader = data.BatchLoader(train_set, batch_size, sampler=sampler, drop_last=True,  # [04]
-                                    device=device, num_workers=args.num_workers)
-    # A disjoint slice per rank; DistributedSampler would pad the slices with repeats, counting some twice.
-    test_shard = Subset(test_set, range(rank, len(test_set), world_size))  # [04]
-    test_loader = data.BatchLoader(test_shard, batch_size, device=device, num_workers=args.num_workers)  # [04]
-
-    # After the checks of the input: a rank that stopped on bad input while the others connect would
-    # break their connections, and they would fail with a traceback instead of its one error line.
-    # 5 minutes, not gloo's 30 (NCCL's 10): a job whose rank died fails soon. device_id: NCCL joins its GPU now.
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=datetime.timedelta(minutes=5),  # [04]
-                            device_id=torch.device("cuda", local_rank) if device.type == "cuda" else None)  # [04]
-    preemption.connect()  # [04] its gloo group, now: a network that gloo cannot use fails here, not at step 1
-
-    model = models.ResNet9(norm=args.norm, width=args.width).to(device)
-    # DDP broadcasts rank 0's weights, then averages the gradients in backward: the replicas stay identical.
-    model = DistributedDataParallel(model, device_ids=[local_rank] if device.type == "cuda" else None)  # [04]
-    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9, nesterov=True, weight_decay=5e-4)
+    # SIGTERM or SIGUSR1 (preemption, a time limit near): every rank stops at one step, saved there.
+    preemption = distributed.Preemption()  # [04] first: until then, a signal kills the process
+    context = setup(args)
+    preemption.connect()  # [04] its own gloo group: a network that gloo cannot use fails here
+    train_set, sampler, train_loader, test_loader = build_data(context)
+    model = build_model(context)
+    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9, nesterov=True,
+                                weight_decay=5e-4)
     total_steps = args.epochs * len(train_loader)
-    scheduler = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=args.lr, total_steps=total_steps)
+    scheduler = torch.optim.lr_scheduler.OneCycleLR(optimizer, args.lr, total_steps=total_steps)
     last_step = min(args.max_steps, total_steps) if args.max_steps else total_steps
-    scaler = torch.amp.GradScaler(device.type, enabled=args.amp == "fp16")  # [02] fp16: small gradients would underflow
+    # fp16: small gradients would underflow. The scaler multiplies the loss, later divides them.
+    scaler = torch.amp.GradScaler(context.device.type, enabled=args.amp == "fp16")  # [02]
+    state = utils.State(model, optimizer, scheduler, last_step, scaler)  # [02]
 
-    step, start_epoch = 0, 0
-    # Started again (torchrun --max-restarts=K after a failure, a requeued Slurm job): go on from the last checkpoint.
-    # Rank 0 decides, for every rank: a rank that cannot see the checkpoint stops the job with one error.
-    if distributed.should_resume(args.resume, os.path.join(args.output_dir, "checkpoint.pt")):  # [04]
-        step, start_epoch = load_checkpoint(args, model, optimizer, scheduler, scaler, device)  # [02]
-        if utils.finished(args.output_dir, step, last_step):  # run again after its end: rank 0 decides for all
+    # Started again (torchrun --max-restarts, a requeued Slurm job)? Rank 0 decides for all.
+    if distributed.should_resume(args.resume, f"{args.output_dir}/checkpoint.pt"):  # [04]
+        load_checkpoint(context, state)
+        if utils.finished(args.output_dir, state.step, last_step):  # run again after its end
             return
 
-    record = utils.RunRecord(__file__, args, len(train_loader), device, amp=args.amp, world_size=world_size)  # [04]
-    for epoch in range(start_epoch, args.epochs):
-        sampler.set_epoch(epoch)  # [04] without it, DistributedSampler repeats epoch 0's order forever
+    record = utils.RunRecord(__file__, context, len(train_loader))
+    for epoch in range(state.epoch, args.epochs):  # from the checkpoint's epoch if resumed
+        state.epoch = epoch
+        sampler.set_epoch(epoch)  # [04] or DistributedSampler repeats epoch 0's order forever
         train_set.set_epoch(epoch)  # augmentation draws depend on (seed, epoch, sample) only
-        record.start_training()
-        train_loss, new_step = train_one_epoch(args, model, train_loader, optimizer, scheduler,
-                                               scaler, amp_dtype, device, epoch, step, last_step, preemption)  # [04]
-        record.stop_training((new_step - step) * args.batch_size)
-        step = new_step
-        if preemption.stopped:  # [04] every rank stopped after this step, once the checkpoint was written
-            raise utils.Preempted(preemption, step, args.output_dir)  # [04] exit status 75: continue with --resume
-        test_loss, test_accuracy, test_samples = evaluate(model, test_loader, device, amp_dtype, args.tta)  # [02]
-        record.end_epoch(epoch, step, train_loss, test_loss, test_accuracy, test_samples)
-        if step >= last_step:
+        record.start_training(state.step)
+        train_loss = train_one_epoch(context, state, train_loader, preemption)  # [04]
+        record.stop_training(state.step)
+        if preemption.stopped:  # [04] every rank stopped after this step, and it was saved
+            raise utils.Preempted(preemption, state.step, args.output_dir)  # [04] exit status 75
+        test_loss, test_accuracy, test_samples = evaluate(context, model, test_loader)
+        record.end_epoch(epoch, state.step, train_loss, test_loss, test_accuracy, test_samples)
+        if state.step >= last_step:
             break
 
-    metrics = record.metrics()
-    if rank == 0:  # [04] one writer. No collective in here: the other ranks would never join it.
-        # The weights are in model.module; saving the wrapper would prefix every key with "module.".
-        utils.save_atomic(model.module.state_dict(), os.path.join(args.output_dir, "model.pt"))  # [04]
-        utils.write_json(metrics, os.path.join(args.output_dir, "metrics.json"))  # [04]
-    # Leave together: a gloo rank that tears down its connections while rank 0 is still writing can abort.
-    dist.barrier()  # [04]
+    # One writer, and no collective in here: the other ranks would never join it. The weights are in
+    # model.module; saving the wrapper would prefix every key with "module.".
+    if context.rank == 0:  # [04]
+        utils.write_outputs(args.output_dir, model.module.state_dict(), record.metrics())  # [04]
+    dist.barrier()  # [04] leave together: a rank that leaves while rank 0 writes can abort it
     dist.destroy_process_group()  # [04]
 
 
-def train_one_epoch(args, model, loader, optimizer, scheduler,
-                    scaler, amp_dtype, device, epoch, step, last_step, preemption):  # [04]
-    """Train until the end of `epoch` or `last_step`; returns the mean loss and the new step."""
+def setup(args):
+    """What the run is, read by every function below (common/utils.py's Context)."""
+    utils.seed_everything(args.seed)
+    # torchrun tells each process its rank, its local rank (the GPU it drives) and the world size.
+    distributed.default_to_a_world_of_one()  # [04] started by plain `python`
+    rank, local_rank, world_size = (int(os.environ[name])  # [04]
+                                    for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE"))  # [04]
+    device = torch.device(f"cuda:{local_rank}" if torch.cuda.is_available() else "cpu")  # [04]
+    if device.type == "cuda":  # [02]
+        distributed.require_one_gpu_per_process()  # [04]
+        torch.cuda.set_device(device)  # [04] before any CUDA work, or every process would use GPU 0
+        utils.use_deterministic_kernels()  # [02] or --resume drifts from an uninterrupted run
+    else:  # [02]
+        distributed.print0("no GPU found: training on the CPU")  # [04]
+    if args.batch_size % world_size:  # [04] --batch-size is global: each process takes a share
+        raise utils.UsageError(f"--batch-size {args.batch_size} is not divisible "  # [04]
+                               f"by the world size {world_size}")  # [04]
+    # Before the process group, whose timeout a slow download would outlast.
+    if not args.synthetic:
+        data.download_cifar10(args.data_dir)
+    # The process group connects the processes for collectives (broadcast, all-reduce...): NCCL
+    # between GPUs, gloo between CPUs. After the checks: a rank that stops while others connect
+    # breaks their connections, and they fail with tracebacks instead of its one error line.
+    backend = "nccl" if device.type == "cuda" else "gloo"  # [04]
+    dist.init_process_group(backend, timeout=distributed.TIMEOUT,  # [04]
+                            device_id=device if backend == "nccl" else None)  # [04] NCCL: its GPU
+    return utils.Context(args, device, flags.AMP_DTYPES[args.amp], rank, world_size)  # [04]
+
+
+def build_data(context):
+    """The training set, its sampler, and the training and test loaders."""
+    args, device = context.args, context.device
+    rank, world_size = context.rank, context.world_size  # [04]
+    batch_size = args.batch_size // world_size  # [04] this process's share of each global batch
+    train_set, test_set = data.load_cifar10(args.data_dir, args.synthetic, seed=args.seed)
+    if args.batch_size > len(train_set):
+        raise utils.UsageError(f"--batch-size {args.batch_size} is larger than the training set "
+                               f"({len(train_set)})")
+    # Every rank shuffles alike and keeps every world_size-th sample: disjoint shares of 01's batch.
+    sampler = DistributedSampler(train_set, num_replicas=world_size, rank=rank,  # [04]
+                                 seed=args.seed, drop_last=True)  # [04]
+    # Whole batches, cut and augmented on `device` in a few tensor ops (docs/data-and-model.md).
+    train_loader = data.BatchLoader(train_set, batch_size, sampler=sampler, drop_last=True,  # [04]
+                                    device=device, num_workers=args.num_workers)
+    # A disjoint slice per rank: DistributedSampler would pad the slices, counting samples twice.
+    test_shard = Subset(test_set, range(rank, len(test_set), world_size))  # [04]
+    test_loader = data.BatchLoader(test_shard, batch_size, device=device,  # [04]
+                                   num_workers=args.num_workers)
+    return train_set, sampler, train_loader, test_loader
+
+
+def build_model(context):
+    """The model (common/models.py), on the run's device, as this step trains it."""
+    model = models.build(context.args).to(context.device)
+    # DDP broadcasts rank 0's weights, then averages the gradients in backward: replicas stay equal.
+    device_ids = [context.device] if context.device.type == "cuda" else None  # [04]
+    model = DistributedDataParallel(model, device_ids=device_ids)  # [04]
+    return model
+
+
+def train_one_epoch(context, state, loader, preemption):  # [04]
+    """Train until the end of the epoch or the run's last step; returns the mean loss."""
+    args, device, model = context.args, context.device, state.model
+    amp_dtype = context.amp_dtype  # [02]
     model.train()
-    done = step - epoch * len(loader)  # batches of this epoch already trained (resuming mid-epoch)
-    end = min(len(loader), done + last_step - step)
+    done = state.step - state.epoch * len(loader)  # batches of this epoch trained before a resume
+    end = min(len(loader), done + state.last_step - state.step)
     loss_sum = torch.zeros((), device=device)
     progress = tqdm(loader.batches(done, end), total=end - done,
-                    desc=f"epoch {epoch + 1}", leave=False, disable=dist.get_rank() != 0)  # [04]
+                    desc=f"epoch {state.epoch + 1}", leave=False, disable=context.rank != 0)  # [04]
     for images, labels in progress:
         with torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None):  # [02]
-            loss = F.cross_entropy(model(images), labels, label_smoothing=args.label_smoothing)  # [02]
-        optimizer.zero_grad(set_to_none=True)
-        scaler.scale(loss).backward()  # [02]
-        scaler.step(optimizer)  # [02] unscales the gradients; skips the step if they overflowed
-        scaler.update()  # [02]
-        scheduler.step()
-        step += 1
+            logits = model(images)  # [02]
+        loss = F.cross_entropy(logits.float(), labels, label_smoothing=args.label_smoothing)
+        state.optimizer.zero_grad(set_to_none=True)
+        state.scaler.scale(loss).backward()  # [02]
+        # Unscales the gradients, and skips the step if they overflowed (inf or NaN).
+        state.scaler.step(state.optimizer)  # [02]
+        state.scaler.update()  # [02]
+        state.scheduler.step()
+        state.step += 1
         loss_sum += loss.detach()
-        # Every rank asks at every step: a rank that stopped alone would leave the others waiting in a collective.
-        stop = preemption.should_stop()  # [04] True on all ranks at the same step if any was signalled
-        checkpoint_due = stop or args.save_every and (step % args.save_every == 0 or step == last_step)  # [04]
-        if step % 10 == 0 or step == last_step or checkpoint_due:  # reading the loss waits for the step to finish
-            # Every rank runs the all-reduce, not rank 0 alone: a diverged run stops on all at the same step.
-            logged_loss = distributed.all_reduce_mean(loss).item()  # [04]
-            utils.check_finite(logged_loss, step)  # a diverged run stops here, before it saves its NaN weights
+        at_end = state.step == state.last_step
+        stop = preemption.should_stop()  # [04] every rank, every step: none may stop alone
+        save_due = stop or args.save_every and (state.step % args.save_every == 0 or at_end)  # [04]
+        # Reading the loss waits for the step to finish: every 10 steps, at the end, before a save.
+        if state.step % 10 == 0 or at_end or save_due:
+            logged_loss = distributed.all_reduce_mean(loss).item()  # [04] all stop on a NaN at once
+            utils.check_finite(logged_loss, state.step)  # a diverged run stops before it saves NaNs
             progress.set_postfix(loss=f"{logged_loss:.3f}")
-        if checkpoint_due and dist.get_rank() == 0:  # [04]
-            save_checkpoint(args, model, optimizer, scheduler, scaler, epoch, step)  # [02]
+        if save_due and context.rank == 0:  # [04]
+            save_checkpoint(context, state)
         if stop:  # [04]
             break  # [04]
-    return distributed.all_reduce_mean(loss_sum).item() / max(end - done, 1), step  # [04]
+    return distributed.all_reduce_mean(loss_sum).item() / max(end - done, 1)  # [04]
 
 
 @torch.no_grad()
-def evaluate(model, loader, device, amp_dtype, tta):  # [02]
+def evaluate(context, model, loader):
     """Mean loss and accuracy over the whole test set; returns them and the number of samples."""
+    device, amp_dtype = context.device, context.amp_dtype  # [02]
     model.eval()
-    # Rank 0's BatchNorm statistics on the plain module: DDP's own broadcast would hang a rank with no test batch.
+    # Rank 0's BatchNorm statistics, on the plain module: DDP's broadcast hangs a rank with no batch
     distributed.broadcast_buffers(model.module)  # [04]
-    totals = torch.zeros(3, dtype=torch.float64, device=device)  # loss sum, correct, samples
+    # The loss sum, the correct predictions, the samples.
+    totals = torch.zeros(3, dtype=torch.float64, device=device)
     for images, labels in loader:
         with torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None):  # [02]
-            logits = models.predict(model.module, images, flip=tta)  # [04]
+            logits = models.predict(model.module, images, flip=context.args.tta)  # [04]
         totals[0] += F.cross_entropy(logits.float(), labels, reduction="sum")
         totals[1] += (logits.argmax(dim=1) == labels).sum()
         totals[2] += len(labels)
@@ -169,15 +193,16 @@ def evaluate(model, loader, device, amp_dtype, tta):  # [02]
     return loss_sum / samples, correct / samples, int(samples)
 
 
-def save_checkpoint(args, model, optimizer, scheduler, scaler, epoch, step):  # [02]
+def save_checkpoint(context, state):
     """Everything a resumed run needs to continue as if it had never stopped."""
+    args = context.args
     utils.save_atomic({
-        "model": model.module.state_dict(),  # [04]
-        "optimizer": optimizer.state_dict(),
-        "scheduler": scheduler.state_dict(),
-        "scaler": scaler.state_dict(),  # [02] the current loss scale
-        "epoch": epoch,
-        "step": step,
+        "model": state.model.module.state_dict(),  # [04]
+        "optimizer": state.optimizer.state_dict(),
+        "scheduler": state.scheduler.state_dict(),
+        "scaler": state.scaler.state_dict(),  # [02] the current loss scale
+        "epoch": state.epoch,
+        "step": state.step,
         "rng": utils.get_rng_state(),
         "batch_size": args.batch_size,
         "epochs": args.epochs,
@@ -186,20 +211,20 @@ def save_checkpoint(args, model, optimizer, scheduler, scaler, epoch, step):  # 
     }, os.path.join(args.output_dir, "checkpoint.pt"))
 
 
-def load_checkpoint(args, model, optimizer, scheduler, scaler, device):  # [02]
-    """Restore `save_checkpoint`'s state; returns the step and the epoch to continue from."""
-    path = os.path.join(args.output_dir, "checkpoint.pt")
-    checkpoint = utils.load_checkpoint(path, map_location=device)
-    utils.check_resumable(path, checkpoint, batch_size=args.batch_size, epochs=args.epochs, seed=args.seed,
-                          width=args.width)
-    model.module.load_state_dict(checkpoint["model"])  # [04]
-    optimizer.load_state_dict(checkpoint["optimizer"])
-    scheduler.load_state_dict(checkpoint["scheduler"])
-    scaler.load_state_dict(checkpoint["scaler"])  # [02]
+def load_checkpoint(context, state):
+    """Restore `save_checkpoint`'s state into `state`, and say where the run continues."""
+    args, path = context.args, os.path.join(context.args.output_dir, "checkpoint.pt")
+    checkpoint = utils.load_checkpoint(path, map_location=context.device)
+    utils.check_resumable(path, checkpoint, batch_size=args.batch_size, epochs=args.epochs,
+                          seed=args.seed, width=args.width)
+    state.model.module.load_state_dict(checkpoint["model"])  # [04]
+    state.optimizer.load_state_dict(checkpoint["optimizer"])
+    state.scheduler.load_state_dict(checkpoint["scheduler"])
+    state.scaler.load_state_dict(checkpoint["scaler"])  # [02]
     utils.set_rng_state(checkpoint["rng"])
+    state.step, state.epoch = checkpoint["step"], checkpoint["epoch"]
     utils.report_resume(path, checkpoint)
-    return checkpoint["step"], checkpoint["epoch"]
 
 
 if __name__ == "__main__":
-    utils.run(main, skip_python_shutdown=True)  # [04] gloo threads would abort Python's shutdown (see utils.run)
+    utils.run(main, skip_python_shutdown=True)  # [04] gloo's threads would abort Python's shutdown

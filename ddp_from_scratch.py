@@ -219,16 +219,16 @@ def main():
     scheduler = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=args.lr, total_steps=total_steps)
     last_step = min(args.max_steps, total_steps) if args.max_steps else total_steps
 
-    step, record = 0, utils.RunRecord(__file__, args, len(train_loader), device, world_size=world_size)
+    step, record = 0, utils.RunRecord(__file__, utils.Context(args, device, world_size=world_size), len(train_loader))
     all_reduces = collections.Counter()  # {n: how many optimizer steps launched n all-reduces}
     for epoch in range(args.epochs):
         sampler.set_epoch(epoch)
         train_set.set_epoch(epoch)
-        record.start_training()
+        record.start_training(step)
         train_loss, steps = train_one_epoch(model, train_loader, optimizer, scheduler, accumulation, device,
                                             last_step - step, all_reduces)
-        record.stop_training(steps * args.batch_size)
         step += steps
+        record.stop_training(step)
         test_loss, test_accuracy, test_samples = evaluate(model, test_loader, device)
         record.end_epoch(epoch, step, train_loss, test_loss, test_accuracy, test_samples,
                          more=f"steps by all-reduces {dict(all_reduces)}")

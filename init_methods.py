@@ -151,11 +151,11 @@ def train(args):
     scheduler = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=args.lr, total_steps=total_steps)
     last_step = min(args.max_steps, total_steps) if args.max_steps else total_steps
 
-    step, record = 0, utils.RunRecord(__file__, args, len(train_loader), device, world_size=world_size)
+    step, record = 0, utils.RunRecord(__file__, utils.Context(args, device, world_size=world_size), len(train_loader))
     for epoch in range(args.epochs):
         sampler.set_epoch(epoch)  # or DistributedSampler repeats epoch 0's order
         train_set.set_epoch(epoch)
-        record.start_training()
+        record.start_training(step)
         model.train()
         loss_sum, steps = torch.zeros((), device=device), min(len(train_loader), last_step - step)
         for images, labels in itertools.islice(train_loader, steps):
@@ -165,8 +165,8 @@ def train(args):
             optimizer.step()
             scheduler.step()
             loss_sum += loss.detach()
-        record.stop_training(steps * args.batch_size)
         step += steps
+        record.stop_training(step)
         train_loss = distributed.all_reduce_mean(loss_sum).item() / steps
         test_loss, test_accuracy, test_samples = evaluate(model, test_loader, device)
         record.end_epoch(epoch, step, train_loss, test_loss, test_accuracy, test_samples)

@@ -13,6 +13,10 @@ import torch.distributed as dist
 from common import utils
 from common.utils import UsageError
 
+# How long a collective waits for a missing rank before the job fails: 5 minutes, not gloo's default 30
+# (NCCL's 10), so that a job whose rank died fails soon.
+TIMEOUT = datetime.timedelta(minutes=5)
+
 
 def print0(*args, **kwargs):
     """`print` on rank 0 only, so that N processes do not print every line N times."""
@@ -139,7 +143,7 @@ class Preemption:
         """Create the flag's gloo group: every rank, right after the process group (which may not exist: then
         this process decides alone)."""
         if dist.is_initialized():
-            self._group = dist.new_group(backend="gloo", timeout=datetime.timedelta(minutes=5))
+            self._group = dist.new_group(backend="gloo", timeout=TIMEOUT)
 
     def should_stop(self):
         """True on every rank at the same step if any rank had been signalled by the step before. Every rank

@@ -189,6 +189,14 @@ class MnistCNN(nn.Module):
         return self.fc2(self.dropout2(x))  # logits (the example's log_softmax is inside F.cross_entropy)
 
 
+def build(args):
+    """The model that a CIFAR-10 step's flags describe (common/flags.py): ResNet-9 (`--norm`, `--width`) or, for
+    step 09, the vision transformer (`--width`, `--no-dropout`)."""
+    if args.model == "vit":
+        return VisionTransformer(width=args.width, dropout=not args.no_dropout)
+    return ResNet9(norm=args.norm, width=args.width)
+
+
 def predict(model, images, flip=False):
     """The model's logits; with `flip`, the mean of the logits of the images and of their mirror images
     (test-time augmentation: training flips the images, so the mirror image is as good a view)."""

@@ -1,12 +1,15 @@
 """Helpers that every step uses the same way and that are not the lesson.
 
-Errors, seeding, deterministic kernels, RNG state, atomic writes, JSON settings files and the run's
-record (its printed lines, history and metrics), and whether a resumed run had finished (`finished`, a
-collective where there is a process group: 01-03 call it too). The distributed helpers live in
+Errors, seeding, deterministic kernels, RNG state, atomic writes, JSON settings files, the two objects that
+every step's functions share (`Context`, what the run is; `State`, what training advances), the run's record
+(its printed lines, history and metrics), and whether a resumed run had finished (`finished`, a collective
+where there is a process group: 01-03 call it too). The distributed helpers live in
 `common/distributed.py`.
 """
 
+import argparse
 import contextlib
+import dataclasses
 import gc
 import glob
 import json
@@ -230,6 +233,13 @@ def write_json(obj, path):
     _atomic_write(path, lambda file: file.write(json.dumps(obj, indent=2) + "\n"), "w")
 
 
+def write_outputs(output_dir, weights, metrics):
+    """The run's outputs in `output_dir`, each written atomically: `model.pt` (the plain fp32 state dict that
+    every step writes) and `metrics.json`. Called by one process."""
+    save_atomic(weights, os.path.join(output_dir, "model.pt"))
+    write_json(metrics, os.path.join(output_dir, "metrics.json"))
+
+
 def write_text(text, path):
     """Write the string `text`, atomically."""
     _atomic_write(path, lambda file: file.write(text), "w")
@@ -334,6 +344,34 @@ def is_main_process():
     return int(os.environ.get("RANK", "0")) == 0
 
 
+@dataclasses.dataclass(frozen=True)
+class Context:
+    """What the run is, built once by a step's `setup` and read by every function, changed by none: the
+    arguments, where and in what precision it computes, and its place among the processes (a world of one
+    before step 04; 08 and 09 lay their ranks out on a mesh)."""
+
+    args: argparse.Namespace
+    device: torch.device
+    amp_dtype: torch.dtype | None = None  # 02 on: None is plain fp32
+    rank: int = 0
+    world_size: int = 1
+    mesh: object = None  # a DeviceMesh (08, 09)
+
+
+@dataclasses.dataclass
+class State:
+    """What training advances and a checkpoint holds: the model, its optimizer, schedule and loss scaler, the
+    optimizer steps done (all epochs together), the epoch in progress, and the step where the run ends."""
+
+    model: object
+    optimizer: object
+    scheduler: object
+    last_step: int  # --max-steps, or the schedule's end
+    scaler: object = None  # 02 on
+    step: int = 0
+    epoch: int = 0
+
+
 class RunRecord:
     """What a run reports, the same in every step: after each epoch, one line (printed by rank 0 alone) and an
     entry of the history (benchmarks/report.py plots it); at the end, the metrics of metrics.json: the run's
@@ -342,24 +380,27 @@ class RunRecord:
 
     `settings` are the run's own (05's ZeRO stage, 08's stages...); `steps_per_epoch` counts optimizer steps."""
 
-    def __init__(self, script, args, steps_per_epoch, device, data="cifar10", amp="none", world_size=1, **settings):
-        self.epochs, self.steps_per_epoch = args.epochs, steps_per_epoch
+    def __init__(self, script, context, steps_per_epoch, data="cifar10", **settings):
+        args = context.args
+        self.epochs, self.steps_per_epoch, self.batch_size = args.epochs, steps_per_epoch, args.batch_size
         self.settings = {"script": os.path.basename(script), "data": "synthetic" if args.synthetic else data,
-                         "device": device.type, "amp": amp, "world_size": world_size, **settings,
-                         "global_batch_size": args.batch_size}
+                         "device": context.device.type, "amp": getattr(args, "amp", "none"),
+                         "world_size": context.world_size, **settings, "global_batch_size": args.batch_size}
         self.history, self.step, self.test_samples = [], 0, 0
         self.samples, self.seconds, self._started = 0, 0.0, None
         self.start_time = time.perf_counter()
 
-    def start_training(self):
+    def start_training(self, step):
+        """The start of a timed span, at optimizer step `step`."""
         self._synchronize()
-        self._started = time.perf_counter()
+        self._started = time.perf_counter(), step
 
-    def stop_training(self, samples):
-        """The end of a timed span, in which `samples` training samples were trained."""
+    def stop_training(self, step):
+        """The end of a timed span, at optimizer step `step`: each step trained --batch-size samples."""
         self._synchronize()
-        self.seconds += time.perf_counter() - self._started
-        self.samples += samples
+        started, first_step = self._started
+        self.seconds += time.perf_counter() - started
+        self.samples += (step - first_step) * self.batch_size
 
     @property
     def samples_per_second(self):

@@ -154,7 +154,7 @@ def main():
     dist.barrier()
     with contextlib.suppress(FileNotFoundError):
         os.remove(f"/dev/shm/deepspeed_allreduce_buffer_{os.getuid()}_{os.environ.get('MASTER_ADDR', '')}_"
-                  f"{os.environ.get('MASTER_PORT', '')}_{dist.get_rank()}")
+                  f"{os.environ.get('MASTER_PORT', '')}_{rank}")
     step = latest["step"] if latest else 0  # optimizer steps done, all epochs together
     if latest:  # a rerun, or torchrun --max-restarts: continue where the last run stopped
         model.load_checkpoint(checkpoints, tag=latest["name"])  # each rank reads its shard

@@ -149,12 +149,12 @@ def test_synthetic_mnist_is_mnist_shaped():
 
 def test_the_run_record_prints_rank_0s_lines_and_holds_metrics_jsons_contents(capsys, monkeypatch):
     monkeypatch.delenv("RANK", raising=False)  # rank 0, as in one process without a launcher
-    args = argparse.Namespace(epochs=3, synthetic=True, batch_size=24)
-    record = utils.RunRecord("/any/05_cifar10_deepspeed.py", args, 10, torch.device("cpu"), amp="bf16", world_size=2,
-                             zero_stage=3)
+    args = argparse.Namespace(epochs=3, synthetic=True, batch_size=24, amp="bf16")
+    context = utils.Context(args, torch.device("cpu"), world_size=2)
+    record = utils.RunRecord("/any/05_cifar10_deepspeed.py", context, 10, zero_stage=3)
     for epoch in (0, 1):
-        record.start_training()
-        record.stop_training(240)
+        record.start_training(10 * epoch)
+        record.stop_training(10 * (epoch + 1))
         record.end_epoch(epoch, 10 * (epoch + 1), 2.0 - epoch, 1.5 - epoch / 2, 0.25 * (epoch + 1), 1001)
     metrics = record.metrics()
     assert list(metrics) == ["script", "data", "device", "amp", "world_size", "zero_stage", "global_batch_size",

@@ -20,7 +20,7 @@ LESSONS = {
     "03": ["nn.DataParallel(", "model.module.state_dict()"],
     "04": ['for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE")', "torch.cuda.set_device(",
            "dist.init_process_group(", "DistributedSampler(", "sampler.set_epoch(", "DistributedDataParallel(",
-           "dist.all_reduce(", "if rank == 0:", "dist.destroy_process_group()"],
+           "dist.all_reduce(", "if context.rank == 0:", "dist.destroy_process_group()"],
     "05": ["deepspeed.initialize(", "model.backward(", "model.step()", "model.save_checkpoint(",
            "model.load_checkpoint(", "get_fp32_state_dict_from_zero_checkpoint("],
     "06": ["Accelerator(", "accelerator.prepare(", "accelerator.backward(", "gather_for_metrics(",
@@ -30,7 +30,7 @@ LESSONS = {
     "08": ["init_device_mesh(", "models.pipeline_stage(", "PipelineStage(", "SCHEDULES[args.schedule](",
            "schedule.step(", "dist.all_reduce(flat", "schedule.eval(", "dist.gather_object(", "dcp.save(",
            "dcp.load("],
-    "09": ["init_device_mesh(", "models.VisionTransformer(", "ColwiseParallel(", "RowwiseParallel(",
+    "09": ["init_device_mesh(", 'add_cifar10_arguments(parser, model="vit")', "ColwiseParallel(", "RowwiseParallel(",
            "SequenceParallel(", "PrepareModuleInput(", "parallelize_module(", "fully_shard(block, mesh=",
            "loss_parallel()", ".full_tensor()"],
 }

@@ -356,7 +356,8 @@ ALLOWED = {
 def distributed_calls(source):
     """{dotted name} of the distributed calls in `source`. A callee is named by where it was imported from
     (`dist.barrier` is torch.distributed.barrier); a method by the call that made its object
-    (`sampler.set_epoch` is torch.utils.data.DistributedSampler().set_epoch). Calls through `.module` and
+    (`sampler.set_epoch` is torch.utils.data.DistributedSampler().set_epoch; `state.optimizer.step`, the
+    `optimizer` that was put in the step's state). Calls through `.module` and
     nn.Module's own methods (`model.train()`) are the plain model's, not distributed."""
     tree = ast.parse(source)
     names = {}  # a name in the file -> what it stands for
@@ -370,6 +371,8 @@ def distributed_calls(source):
     def dotted(node):
         if isinstance(node, ast.Name):
             return names.get(node.id)
+        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "state":
+            return names.get(node.attr)  # a step's `state.model` is the `model` it built (common/utils.State)
         if isinstance(node, ast.Attribute):
             base = dotted(node.value)
             if base and "()" in base and (node.attr == "module" or hasattr(torch.nn.Module, node.attr)):
@@ -384,7 +387,8 @@ def distributed_calls(source):
     # Names bound to the objects that distributed callables make (`sampler = DistributedSampler(...)`), and to
     # what Accelerate's `prepare` wraps; not to results such as tensors. In order: the last binding counts.
     assignments = sorted((node for node in ast.walk(tree) if isinstance(node, ast.Assign)), key=lambda n: n.lineno)
-    for node in assignments:
+    # Twice: a function that comes first may use what a later one makes (`context, accelerator = setup(args)`).
+    for node in assignments * 2:
         made = isinstance(node.value, ast.Call) and dotted(node.value.func)
         if is_distributed(made) and ("()" not in made or made.endswith("().prepare")):
             for target in node.targets:
