@@ -1,8 +1,8 @@
 """Step 01: the plain PyTorch training loop, on the CPU.
 
 Trains ResNet-9 (common/models.py) on CIFAR-10: shuffle, augment, forward, loss, backward, step.
-Evaluates after every epoch, writes the final weights and metrics, and with --save-every writes
-a checkpoint that --resume continues exactly, even from the middle of an epoch.
+Evaluates after every epoch, writes the final weights and metrics, and with --save-every writes a
+checkpoint that --resume continues exactly, even from the middle of an epoch.
 
 Launch:
     python 01_cifar10_cpu.py                          # CIFAR-10, downloaded into ./data
@@ -104,7 +104,7 @@ def train_one_epoch(context, state, loader):
                     desc=f"epoch {state.epoch + 1}", leave=False)
     for images, labels in progress:
         logits = model(images)
-        loss = F.cross_entropy(logits.float(), labels, label_smoothing=args.label_smoothing)
+        loss = F.cross_entropy(logits, labels, label_smoothing=args.label_smoothing)
         state.optimizer.zero_grad(set_to_none=True)
         loss.backward()
         state.optimizer.step()

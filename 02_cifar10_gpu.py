@@ -1,9 +1,9 @@
 """Step 02: the same loop on one GPU, with mixed precision.
 
-New (lines marked `# [02]`): `device` is the GPU, so the model and every batch go there (the
-loader copies each batch as uint8 from pinned memory and augments it on the GPU), --amp runs the
-forward pass under `torch.autocast` (fp16 with a `GradScaler`), and deterministic kernels keep
---resume exact. Without a GPU it runs on the CPU.
+New (lines marked `# [02]`): `device` is the GPU, so the model and every batch go there (the loader
+copies each batch as uint8 from pinned memory and augments it on the GPU), --amp runs the forward
+pass under `torch.autocast` (fp16 with a `GradScaler`), and deterministic kernels keep --resume
+exact. Without a GPU it runs on the CPU.
 
 Launch:
     python 02_cifar10_gpu.py --amp bf16               # CIFAR-10 on GPU 0 (fp16 on pre-Ampere GPUs)
@@ -114,7 +114,7 @@ def train_one_epoch(context, state, loader):
     for images, labels in progress:
         with torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None):  # [02]
             logits = model(images)  # [02]
-        loss = F.cross_entropy(logits.float(), labels, label_smoothing=args.label_smoothing)
+            loss = F.cross_entropy(logits, labels, label_smoothing=args.label_smoothing)  # [02]
         state.optimizer.zero_grad(set_to_none=True)
         state.scaler.scale(loss).backward()  # [02]
         # Unscales the gradients, and skips the step if they overflowed (inf or NaN).

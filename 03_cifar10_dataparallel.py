@@ -1,11 +1,11 @@
 """Step 03: one process, every GPU of the machine, with `nn.DataParallel`.
 
-New (relative to step 02; lines marked `# [03]`): `nn.DataParallel` wraps the model. Each forward pass
-splits the batch across the visible GPUs, runs a replica of the model on each (threads of this one
-process) and gathers the outputs on GPU 0, where the loss is computed; backward sums the gradients
-onto GPU 0's weights. The wrapper keeps the model in `.module`: that is what gets saved. DataParallel
-is the shortest path to many GPUs, not the fast one (docs/dataparallel-vs-ddp.md): step 04 is what
-PyTorch recommends. Without a GPU it runs on the CPU.
+New (relative to step 02; lines marked `# [03]`): `nn.DataParallel` wraps the model. Each forward
+pass splits the batch across the visible GPUs, runs a replica of the model on each (threads of this
+one process) and gathers the outputs on GPU 0, where the loss is computed; backward sums the
+gradients onto GPU 0's weights. The wrapper keeps the model in `.module`: that is what gets saved.
+DataParallel is the shortest path to many GPUs, not the fast one (docs/dataparallel-vs-ddp.md): step
+04 is what PyTorch recommends. Without a GPU it runs on the CPU.
 
 Launch:
     python 03_cifar10_dataparallel.py --amp fp16             # every visible GPU
@@ -126,7 +126,7 @@ def train_one_epoch(context, state, loader):
     for images, labels in progress:
         with torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None):  # [02]
             logits = model(images)  # [02]
-        loss = F.cross_entropy(logits.float(), labels, label_smoothing=args.label_smoothing)
+            loss = F.cross_entropy(logits, labels, label_smoothing=args.label_smoothing)  # [02]
         state.optimizer.zero_grad(set_to_none=True)
         state.scaler.scale(loss).backward()  # [02]
         # Unscales the gradients, and skips the step if they overflowed (inf or NaN).

@@ -1,12 +1,12 @@
 """Step 04: one process per GPU, with `DistributedDataParallel` (DDP), launched by torchrun.
 
-New (relative to step 02; lines marked `# [04]`): torchrun starts one process per GPU; each reads its
-share of every global batch (`DistributedSampler`), DDP averages the gradients during backward, the
-ranks' test counts are summed, and rank 0 alone writes. Without GPUs: gloo on the CPU.
+New (relative to step 02; lines marked `# [04]`): torchrun starts one process per GPU; each reads
+its share of every global batch (`DistributedSampler`), DDP averages the gradients during backward,
+the ranks' test counts are summed, and rank 0 alone writes. Without GPUs: gloo on the CPU.
 
 Launch:
-    torchrun --nproc_per_node=N 04_cifar10_ddp.py --amp bf16              # N GPUs on this machine
-    torchrun --standalone --nproc_per_node=2 04_cifar10_ddp.py --synthetic --epochs 1   # CPU (gloo), offline
+    torchrun --nproc_per_node=N 04_cifar10_ddp.py --amp bf16                           # N GPUs
+    torchrun --standalone --nproc_per_node=2 04_cifar10_ddp.py --synthetic --epochs 1  # CPU, gloo
 
 Next: 05_cifar10_deepspeed.py hands the optimizer step, precision and sharding to DeepSpeed.
 """
@@ -149,7 +149,7 @@ def train_one_epoch(context, state, loader, preemption):  # [04]
     for images, labels in progress:
         with torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None):  # [02]
             logits = model(images)  # [02]
-        loss = F.cross_entropy(logits.float(), labels, label_smoothing=args.label_smoothing)
+            loss = F.cross_entropy(logits, labels, label_smoothing=args.label_smoothing)  # [02]
         state.optimizer.zero_grad(set_to_none=True)
         state.scaler.scale(loss).backward()  # [02]
         # Unscales the gradients, and skips the step if they overflowed (inf or NaN).

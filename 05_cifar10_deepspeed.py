@@ -7,9 +7,9 @@ across the processes (ZeRO stages 1-3), and checkpoints a shard per rank. The lo
 `model.backward(loss)`, `model.step()`. ds_config.json holds the settings; the command line wins.
 
 Launch:
-    deepspeed --num_gpus=N 05_cifar10_deepspeed.py --amp bf16            # N GPUs on this machine
-    torchrun --nproc_per_node=N 05_cifar10_deepspeed.py --zero-stage 3     # the same, started by torchrun
-    OMP_NUM_THREADS=1 deepspeed --num_gpus=2 05_cifar10_deepspeed.py --synthetic --epochs 1  # no GPU: gloo
+    deepspeed --num_gpus=N 05_cifar10_deepspeed.py --amp bf16           # N GPUs on this machine
+    torchrun --nproc_per_node=N 05_cifar10_deepspeed.py --zero-stage 3  # the same, by torchrun
+    OMP_NUM_THREADS=1 deepspeed --num_gpus=2 05_cifar10_deepspeed.py --synthetic --epochs 1  # CPU
 Without GPUs --num_gpus is the number of processes, and the first run compiles a small op with the
 environment's ninja (activate it). Several machines, hostfiles, ssh: docs/deepspeed.md.
 
@@ -33,11 +33,14 @@ def parse_args():
     parser = flags.build_parser(__file__, __doc__, epochs=10, batch_size=256, lr=0.2)
     flags.add_cifar10_arguments(parser)
     flags.add_amp_argument(parser, fp16_cpu_refusal="05 runs DeepSpeed's fp16 on GPUs only")  # [05]
-    parser.add_argument("--zero-stage", type=int, choices=[0, 1, 2, 3], help="default: the config's")  # [05]
-    parser.add_argument("--gradient_accumulation_steps", "--gradient-accumulation-steps", metavar="N",  # [05]
-                        type=flags.positive_int, help="micro-batches per optimizer step (default: the config)")  # [05]
-    parser.add_argument("--deepspeed-config", default=os.path.join(os.path.dirname(__file__), "ds_config.json"),  # [05]
-                        help="DeepSpeed's settings (default: ds_config.json beside this script)")  # [05]
+    parser.add_argument("--zero-stage", type=int, choices=[0, 1, 2, 3],  # [05]
+                        help="default: the config's")  # [05]
+    parser.add_argument("--gradient_accumulation_steps", "--gradient-accumulation-steps",  # [05]
+                        metavar="N", type=flags.positive_int,  # [05]
+                        help="micro-batches per optimizer step (default: the config)")  # [05]
+    parser.add_argument("--deepspeed-config",  # [05]
+                        default=os.path.join(os.path.dirname(__file__), "ds_config.json"),  # [05]
+                        help="DeepSpeed's settings (default: this folder's ds_config.json)")  # [05]
     return parser.parse_args()
 
 
@@ -51,18 +54,18 @@ def main():
     model = build_model(context)
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9, nesterov=True,
                                 weight_decay=5e-4)
-    # The loader yields micro-batches, N per optimizer step; a last incomplete group of N is left out
-    # (the engine would add it to the next epoch's first step).
+    # The loader yields micro-batches, N per optimizer step; a last incomplete group of N is left
+    # out (the engine would add it to the next epoch's first step).
     steps_per_epoch = len(train_loader) // config["gradient_accumulation_steps"]  # [05]
-    total_steps = args.epochs * steps_per_epoch  # [05] optimizer steps: the engine steps the schedule
+    total_steps = args.epochs * steps_per_epoch  # [05] the engine steps the schedule with them
     scheduler = torch.optim.lr_scheduler.OneCycleLR(optimizer, args.lr, total_steps=total_steps)
     last_step = min(args.max_steps, total_steps) if args.max_steps else total_steps
-    # The engine broadcasts rank 0's weights, wraps the optimizer (for ZeRO and 16 bits), averages the
-    # gradients in backward, steps the schedule after each optimizer step, and checkpoints them all.
+    # The engine broadcasts rank 0's weights, wraps the optimizer (for ZeRO and 16 bits), averages
+    # the gradients in backward, steps the schedule, and checkpoints them all.
     model, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer,  # [05]
                                           lr_scheduler=scheduler, config=config)  # [05]
     distributed.remove_deepspeed_shared_memory()  # [05] CPU, deepspeed launcher: 69 MB per rank
-    state = utils.State(model, optimizer, scheduler, last_step)  # [05] the loop calls only the engine
+    state = utils.State(model, optimizer, scheduler, last_step)  # [05] the loop calls the engine
 
     # Started again (torchrun --max-restarts, a requeued Slurm job)? Rank 0 decides for all.
     if distributed.should_resume(args.resume, f"{args.output_dir}/checkpoints/latest"):  # [05]
@@ -91,7 +94,8 @@ def main():
         # Under ZeRO-3 each rank holds a shard of the weights only: DeepSpeed's zero_to_fp32, its
         # offline converter, reassembles them from the final checkpoint. fp32, also under --amp.
         if model.zero_optimization_stage() == 3:  # [05]
-            weights = get_fp32_state_dict_from_zero_checkpoint(f"{args.output_dir}/checkpoints")  # [05]
+            checkpoints = os.path.join(args.output_dir, "checkpoints")  # [05]
+            weights = get_fp32_state_dict_from_zero_checkpoint(checkpoints)  # [05]
         else:  # [05] ZeRO-0 to 2: every rank holds the whole model, in model.module
             weights = model.module.state_dict()  # [05]
         utils.write_outputs(args.output_dir, weights, record.metrics())  # [05]
@@ -117,16 +121,21 @@ def setup(args):
         raise utils.UsageError(f"--batch-size {args.batch_size} is not divisible "  # [04]
                                f"by the world size {world_size}")  # [04]
     config = utils.read_json(args.deepspeed_config, "--deepspeed-config")  # [05]
-    accumulation = args.gradient_accumulation_steps or config.get("gradient_accumulation_steps", 1)  # [05]
+    accumulation = (args.gradient_accumulation_steps  # [05]
+                    or config.get("gradient_accumulation_steps", 1))  # [05]
     if args.batch_size // world_size % accumulation:  # [05] each process's share is N micro-batches
-        raise utils.UsageError(f"--batch-size {args.batch_size} is not divisible by the world size "  # [05]
-                               f"{world_size} times --gradient_accumulation_steps {accumulation}")  # [05]
+        raise utils.UsageError(f"--batch-size {args.batch_size} is not divisible by the "  # [05]
+                               f"world size {world_size} times "  # [05]
+                               f"--gradient_accumulation_steps {accumulation}")  # [05]
     # The command line wins where it and ds_config.json both speak. --batch-size stays the global
     # batch (DeepSpeed checks train_batch_size = micro-batch x accumulation steps x world size).
-    config.update(train_batch_size=args.batch_size, gradient_accumulation_steps=accumulation,  # [05]
-                  train_micro_batch_size_per_gpu=args.batch_size // world_size // accumulation)  # [05]
-    # torch.autocast, not DeepSpeed's "bf16" and "fp16", which cast the parameters (BatchNorm's too) to
-    # 16 bits. The engine runs its forward pass in the config's autocast, and would turn ours off.
+    micro_batch = args.batch_size // world_size // accumulation  # [05]
+    config.update(train_batch_size=args.batch_size,  # [05]
+                  train_micro_batch_size_per_gpu=micro_batch,  # [05]
+                  gradient_accumulation_steps=accumulation)  # [05]
+    # torch.autocast, not DeepSpeed's "bf16" and "fp16", which cast the parameters (BatchNorm's too)
+    # to 16 bits. The engine runs its forward pass in the config's autocast, and would turn ours
+    # off.
     if args.amp != "none":  # [05]
         config["torch_autocast"] = {"enabled": True, "dtype": args.amp}  # [05] fp16: a GradScaler
     if args.zero_stage is not None:  # [05]
@@ -190,10 +199,11 @@ def train_one_epoch(context, state, loader, preemption):  # [04]
     for images, labels in progress:
         with torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None):  # [02]
             logits = model(images)  # [02]
-        loss = F.cross_entropy(logits.float(), labels, label_smoothing=args.label_smoothing)
+            loss = F.cross_entropy(logits, labels, label_smoothing=args.label_smoothing)  # [02]
         boundary = model.is_gradient_accumulation_boundary()  # [05] the Nth? Ask before step()
         model.backward(loss)  # [05] scales the loss by 1/N (and for fp16), averages the gradients
-        model.step()  # [05] at the Nth: optimizer step (unless fp16 overflowed), schedule, zero_grad
+        # At the Nth: optimizer step (unless fp16 overflowed), schedule, zero_grad.
+        model.step()  # [05]
         loss_sum += loss.detach()  # [05] every micro-batch's loss: the mean is over all of them
         if not boundary:  # [05] the first N-1 micro-batches of a step only add up gradients
             continue  # [05]
@@ -237,9 +247,10 @@ def evaluate(context, model, loader):
 
 def save_checkpoint(context, state):
     """Everything a resumed run needs to continue as if it had never stopped."""
-    # Every rank must call this: each writes its own shard of the optimizer state (under ZeRO-3 also of
-    # the weights), with barriers inside. Called by rank 0 alone, it would hang; shards would be lost.
-    # The engine saves the weights, optimizer, schedule and loss scale; the client state is the rest.
+    # Every rank must call this: each writes its own shard of the optimizer state (under ZeRO-3 also
+    # of the weights), with barriers inside. Called by rank 0 alone, it would hang; shards would be
+    # lost. The engine saves the weights, optimizer, schedule and loss scale; the client state is
+    # the rest.
     args, directory = context.args, os.path.join(context.args.output_dir, "checkpoints")  # [05]
     tag = f"step{state.step}"  # [05]
     state.model.save_checkpoint(directory, tag=tag, save_latest=False, client_state={  # [05]
@@ -253,7 +264,8 @@ def save_checkpoint(context, state):
     })  # [05]
     # `latest` names the checkpoint to resume from. DeepSpeed's own is written by rank 0 before the
     # other ranks have finished their shards, and not atomically: this one is written after
-    # save_checkpoint's final barrier, atomically, so a crash mid-save leaves it naming the previous.
+    # save_checkpoint's final barrier, atomically, so a crash mid-save leaves it naming the
+    # previous.
     if context.rank == 0:  # [05]
         utils.write_text(tag, os.path.join(directory, "latest"))  # [05]
         utils.remove_other_checkpoints(directory, keep=tag)  # [05]

@@ -2,13 +2,13 @@
 
 New (relative to step 04; lines marked `# [06]`): an `Accelerator` replaces 04's set-up under any
 launcher; `prepare` wraps model, optimizer and schedule and shards the loaders; `backward`,
-`gather_for_metrics`, `reduce` and `save_state` do the rest. MNIST and its CNN (common/) replace CIFAR-10.
+`gather_for_metrics`, `reduce` and `save_state` do the rest. MNIST and its CNN (common/) replace
+CIFAR-10.
 
 Launch:
-    accelerate launch --config_file accelerate_config.yaml 06_mnist_accelerate.py   # 2 GPUs, fp16
-    accelerate launch --config_file accelerate_config.yaml --mixed_precision no 06_mnist_accelerate.py  # CPU
-    torchrun --standalone --nproc_per_node=2 06_mnist_accelerate.py --synthetic --epochs 1   # CPU, offline
-    python 06_mnist_accelerate.py                      # one process: GPU 0 if there is one, else the CPU
+    accelerate launch --config_file accelerate_config.yaml 06_mnist_accelerate.py  # 2 GPUs, fp16
+    torchrun --standalone --nproc_per_node=2 06_mnist_accelerate.py --synthetic --epochs 1  # CPU
+    python 06_mnist_accelerate.py  # one process: GPU 0 if there is one, else the CPU
 """
 
 import itertools  # [06]
@@ -27,7 +27,8 @@ from common import data, distributed, flags, models, utils  # [04]
 def parse_args():
     parser = flags.build_parser(__file__, __doc__, epochs=10, batch_size=256, lr=0.2)
     flags.add_dropout_argument(parser)  # [06]
-    flags.add_amp_argument(parser, default=flags.accelerate_launch_amp(),  # [06] the launcher's, unless given
+    # The launcher's, unless given.
+    flags.add_amp_argument(parser, default=flags.accelerate_launch_amp(),  # [06]
                            fp16_cpu_refusal="Accelerate scales fp16 losses on GPUs only")  # [06]
     return parser.parse_args()
 
@@ -45,12 +46,14 @@ def main():
     total_steps = args.epochs * len(train_loader)
     scheduler = torch.optim.lr_scheduler.OneCycleLR(optimizer, args.lr, total_steps=total_steps)
     last_step = min(args.max_steps, total_steps) if args.max_steps else total_steps
-    # Moves the model to the device and wraps it (DDP, autocast), the optimizer (fp16's loss scaling)
-    # and the loaders, which it shards.
+    # Moves the model to the device and wraps it (DDP, autocast), the optimizer (fp16's loss
+    # scaling) and the loaders, which it shards.
     model, optimizer, train_loader, test_loader, scheduler = accelerator.prepare(  # [06]
         model, optimizer, train_loader, test_loader, scheduler)  # [06]
-    # One seed built the same weights everywhere; from here on each process draws its own dropout masks.
-    set_seed(args.seed, device_specific=True)  # [06] seed + process index: Python, NumPy, torch, GPUs
+    # One seed built the same weights everywhere; from here on each process draws its own dropout
+    # masks.
+    # Seed + process index: Python, NumPy, torch, GPUs.
+    set_seed(args.seed, device_specific=True)  # [06]
     state = utils.State(model, optimizer, scheduler, last_step)  # [06]
 
     # Started again (torchrun --max-restarts, a requeued Slurm job)? Rank 0 decides for all.
@@ -69,7 +72,8 @@ def main():
         record.stop_training(state.step)
         if preemption.stopped:  # [04] every rank stopped after this step, and it was saved
             raise utils.Preempted(preemption, state.step, args.output_dir)  # [04] exit status 75
-        test_loss, test_accuracy, test_samples = evaluate(context, model, test_loader, accelerator)  # [06]
+        test_loss, test_accuracy, test_samples = evaluate(context, model, test_loader,  # [06]
+                                                          accelerator)  # [06]
         record.end_epoch(epoch, state.step, train_loss, test_loss, test_accuracy, test_samples)
         if state.step >= last_step:
             break
@@ -79,7 +83,8 @@ def main():
     if context.rank == 0:  # [04]
         weights = accelerator.unwrap_model(model).state_dict()  # [06]
         utils.write_outputs(args.output_dir, weights, record.metrics())  # [06]
-    accelerator.wait_for_everyone()  # [06] leave together: a rank that leaves while rank 0 writes can abort it
+    # Leave together: a rank that leaves while rank 0 writes can abort it.
+    accelerator.wait_for_everyone()  # [06]
     accelerator.end_training()  # [06] destroys the process group
 
 
@@ -122,11 +127,12 @@ def build_data(context):
                                f"({len(train_set)})")
     # 01's order, in global batches: `prepare` gives each process its share of every batch.
     sampler = DistributedSampler(train_set, num_replicas=1, rank=0, seed=args.seed)  # [06]
-    # A torch DataLoader, which `prepare` can shard. Its own generator: otherwise each epoch's iterator
-    # draws a seed from the global RNG, and a resumed run's random numbers would differ.
+    # A torch DataLoader, which `prepare` can shard. Its own generator: otherwise each epoch's
+    # iterator draws a seed from the global RNG, and a resumed run's random numbers would differ.
     train_loader = DataLoader(train_set, batch_size=args.batch_size, sampler=sampler,  # [06]
-                              drop_last=True, generator=torch.Generator().manual_seed(args.seed),  # [06]
-                              num_workers=args.num_workers, pin_memory=device.type == "cuda")  # [06]
+                              generator=torch.Generator().manual_seed(args.seed),  # [06]
+                              drop_last=True, num_workers=args.num_workers,  # [06]
+                              pin_memory=device.type == "cuda")  # [06]
     test_loader = DataLoader(test_set, batch_size=args.batch_size,  # [06] `prepare` shards it
                              num_workers=args.num_workers, pin_memory=device.type == "cuda")  # [06]
     return train_set, sampler, train_loader, test_loader
@@ -150,7 +156,8 @@ def train_one_epoch(context, state, loader, accelerator, preemption):  # [06]
     progress = tqdm(itertools.islice(batches, end - done), total=end - done,  # [06]
                     desc=f"epoch {state.epoch + 1}", leave=False, disable=context.rank != 0)  # [04]
     for images, labels in progress:
-        loss = F.cross_entropy(model(images), labels)  # [06] on the device; autocast is in the model
+        # On the device; autocast is in the model.
+        loss = F.cross_entropy(model(images), labels)  # [06]
         state.optimizer.zero_grad(set_to_none=True)
         accelerator.backward(loss)  # [06] instead of loss.backward(): scales the loss for fp16
         # The wrapped optimizer unscales, and skips the step if fp16 gradients overflowed.
@@ -193,7 +200,8 @@ def evaluate(context, model, loader, accelerator):  # [06]
 
 def save_checkpoint(context, state, accelerator):  # [06]
     """Everything a resumed run needs to continue as if it had never stopped."""
-    # On every process: the main one writes the model, optimizer and schedule; each its random state.
+    # On every process: the main one writes the model, optimizer and schedule; each its random
+    # state.
     args, directory = context.args, os.path.join(context.args.output_dir, "checkpoints")  # [06]
     accelerator.save_state(os.path.join(directory, f"step{state.step}"))  # [06]
     accelerator.wait_for_everyone()  # [06] every file complete before checkpoint.pt names it
@@ -218,7 +226,8 @@ def load_checkpoint(context, state, accelerator):  # [06]
     checkpoint = utils.load_checkpoint(path, map_location=context.device)
     utils.check_resumable(path, checkpoint, batch_size=args.batch_size, epochs=args.epochs,
                           seed=args.seed, world_size=accelerator.num_processes)  # [06]
-    accelerator.load_state(os.path.join(args.output_dir, "checkpoints", f"step{checkpoint['step']}"))  # [06]
+    step = f"step{checkpoint['step']}"  # [06]
+    accelerator.load_state(os.path.join(args.output_dir, "checkpoints", step))  # [06]
     state.step, state.epoch = checkpoint["step"], checkpoint["epoch"]
     utils.report_resume(path, checkpoint)
 

@@ -1,15 +1,16 @@
 """Step 07: the same processes, with PyTorch's own sharding: FSDP2 (`fully_shard`).
 
-New (relative to step 04; lines marked `# [07]`): instead of a whole replica per rank, each rank keeps 1/N
-of every weight, gradient and optimizer state. `fully_shard` makes each residual block, each BatchNorm
-layer and the root a unit, gathered just before it runs and freed after (the root's: after backward); the
-gradients are reduce-scattered, so each rank updates only its shard. Checkpoints are sharded too
-(torch.distributed.checkpoint): every rank writes and reads its own shard, and they load at any world
-size. `--amp` is FSDP's mixed-precision policy instead of autocast. Without GPUs: gloo on the CPU.
+New (relative to step 04; lines marked `# [07]`): instead of a whole replica per rank, each rank
+keeps 1/N of every weight, gradient and optimizer state. `fully_shard` makes each residual block,
+each BatchNorm layer and the root a unit, gathered just before it runs and freed after (the root's:
+after backward); the gradients are reduce-scattered, so each rank updates only its shard.
+Checkpoints are sharded too (torch.distributed.checkpoint): every rank writes and reads its own
+shard, and they load at any world size. `--amp` is FSDP's mixed-precision policy instead of
+autocast. Without GPUs: gloo on the CPU.
 
 Launch:
-    torchrun --nproc_per_node=N 07_cifar10_fsdp.py --amp bf16              # N GPUs on this machine
-    torchrun --standalone --nproc_per_node=2 07_cifar10_fsdp.py --synthetic --epochs 1   # CPU (gloo), offline
+    torchrun --nproc_per_node=N 07_cifar10_fsdp.py --amp bf16                           # N GPUs
+    torchrun --standalone --nproc_per_node=2 07_cifar10_fsdp.py --synthetic --epochs 1  # CPU, gloo
 """
 
 import dataclasses  # [07]
@@ -53,9 +54,9 @@ def main():
     total_steps = args.epochs * len(train_loader)
     scheduler = torch.optim.lr_scheduler.OneCycleLR(optimizer, args.lr, total_steps=total_steps)
     last_step = min(args.max_steps, total_steps) if args.max_steps else total_steps
-    # fp16: small gradients would underflow. The scaler multiplies the loss, later divides them. Every
-    # rank must agree to skip a step whose gradients overflowed, and each sees only its shard: the
-    # gradients are DTensors, whose overflow check takes the maximum over the ranks.
+    # fp16: small gradients would underflow. The scaler multiplies the loss, later divides them.
+    # Every rank must agree to skip a step whose gradients overflowed, and each sees only its shard:
+    # the gradients are DTensors, whose overflow check takes the maximum over the ranks.
     scaler = torch.amp.GradScaler(context.device.type, enabled=args.amp == "fp16")  # [02]
     state = utils.State(model, optimizer, scheduler, last_step, scaler)  # [02]
 
@@ -154,26 +155,28 @@ def build_model(context):
         model = models.build(context.args)  # [07]
     # Each residual block and BatchNorm layer, then the root (the rest), becomes one unit: each rank
     # keeps a shard of its weights; its full weights are gathered just before the unit's forward and
-    # freed after, then gathered again for its backward (not the root's: it keeps them from forward to
-    # backward). The gradients are reduce-scattered: each rank gets the averaged gradient of its own
-    # shard, and its optimizer updates only that. --amp: the gathered copies are cast to 16 bits; the
-    # gradients are reduced, and the shards kept, in fp32.
+    # freed after, then gathered again for its backward (not the root's: it keeps them from forward
+    # to backward). The gradients are reduce-scattered: each rank gets the averaged gradient of its
+    # own shard, and its optimizer updates only that. --amp: the gathered copies are cast to 16
+    # bits; the gradients are reduced, and the shards kept, in fp32.
     amp_dtype = context.amp_dtype  # [07]
     policy = MixedPrecisionPolicy(param_dtype=amp_dtype,  # [07]
                                   reduce_dtype=torch.float32 if amp_dtype else None)  # [07]
-    for module in reversed(list(model.modules())):  # [07] inner units first: an outer takes the rest
+    # Inner units first: an outer takes the rest.
+    for module in reversed(list(model.modules())):  # [07]
         if isinstance(module, torch.nn.BatchNorm2d):  # [07] fp32 statistics need fp32 weights
             fully_shard(module)  # [07]
         elif isinstance(module, models.Residual):  # [07]
             fully_shard(module, mp_policy=policy)  # [07]
     # The root returns the logits in fp32 under --amp (reduce_dtype): the loss is computed in fp32.
-    fully_shard(model, mp_policy=dataclasses.replace(policy, output_dtype=policy.reduce_dtype))  # [07]
+    root_policy = dataclasses.replace(policy, output_dtype=policy.reduce_dtype)  # [07]
+    fully_shard(model, mp_policy=root_policy)  # [07]
     model.to_empty(device=context.device)  # [07] this rank's shards, not yet initialised
     # One process's initial weights (the seed's), built in rank 0's CPU memory and sent tensor by
     # tensor: each rank keeps its shard of each, and never holds the whole model on its device.
     initial_weights = models.build(context.args).state_dict() if context.rank == 0 else {}  # [07]
-    set_model_state_dict(model, initial_weights,  # [07]
-                         options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))  # [07]
+    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)  # [07]
+    set_model_state_dict(model, initial_weights, options=options)  # [07]
     return model
 
 
@@ -188,7 +191,7 @@ def train_one_epoch(context, state, loader, preemption):  # [04]
                     desc=f"epoch {state.epoch + 1}", leave=False, disable=context.rank != 0)  # [04]
     for images, labels in progress:
         logits = model(images)  # [07] FSDP casts to --amp's type, and returns fp32 logits
-        loss = F.cross_entropy(logits.float(), labels, label_smoothing=args.label_smoothing)
+        loss = F.cross_entropy(logits, labels, label_smoothing=args.label_smoothing)  # [07]
         state.optimizer.zero_grad(set_to_none=True)
         state.scaler.scale(loss).backward()  # [02]
         # Unscales the gradients, and skips the step if they overflowed (inf or NaN).
@@ -217,8 +220,8 @@ def evaluate(context, model, loader):
     """Mean loss and accuracy over the whole test set; returns them and the number of samples."""
     device = context.device  # [07]
     model.eval()
-    # FSDP shards the parameters only: each rank's BatchNorm statistics have followed its own batches.
-    # Evaluate with rank 0's everywhere, the ones that model.pt keeps.
+    # FSDP shards the parameters only: each rank's BatchNorm statistics have followed its own
+    # batches. Evaluate with rank 0's everywhere, the ones that model.pt keeps.
     distributed.broadcast_buffers(model)  # [07]
     # The loss sum, the correct predictions, the samples.
     totals = torch.zeros(3, dtype=torch.float64, device=device)
@@ -236,9 +239,11 @@ def save_checkpoint(context, state):
     """Everything a resumed run needs to continue as if it had never stopped."""
     args, directory = context.args, os.path.join(context.args.output_dir, "checkpoints")  # [07]
     path = os.path.join(directory, f"step{state.step}")  # [07]
-    # A tensor that is not sharded is written once, from any rank: make the buffers rank 0's everywhere.
+    # A tensor that is not sharded is written once, from any rank: make the buffers rank 0's
+    # everywhere.
     distributed.broadcast_buffers(state.model)  # [07]
-    # The weights and the optimizer state stay sharded: every rank writes its own shards, in parallel.
+    # The weights and the optimizer state stay sharded: every rank writes its own shards, in
+    # parallel.
     model_state, optimizer_state = get_state_dict(state.model, state.optimizer)  # [07] this rank's
     dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=path)  # [07]
     if context.rank != 0:  # [07] the rest is the same on every rank: one writer
@@ -254,7 +259,8 @@ def save_checkpoint(context, state):
         "seed": args.seed,
         "width": args.width,
     }, os.path.join(path, "train_state.pt"))  # [07]
-    # `latest` last, atomically: a crash mid-save leaves it naming the previous, complete checkpoint.
+    # `latest` last, atomically: a crash mid-save leaves it naming the previous, complete
+    # checkpoint.
     utils.write_text(f"step{state.step}", os.path.join(directory, "latest"))  # [07]
     utils.remove_other_checkpoints(directory, keep=f"step{state.step}")  # [07]
 

@@ -1,14 +1,15 @@
 """Step 08: the model split by layers: pipeline parallelism (`torch.distributed.pipelining`).
 
-New (relative to step 04; lines marked `# [08]`): each rank holds a few of ResNet-9's blocks, a pipeline
-stage, and passes each micro-batch's activations on (its gradients back) so that the stages work at once,
-in the order of a schedule (GPipe or 1F1B). World size / `--stages` replicas of the pipeline split each
-batch, as 04's ranks do. Each stage checkpoints its own part. Without GPUs: gloo on the CPU.
+New (relative to step 04; lines marked `# [08]`): each rank holds a few of ResNet-9's blocks, a
+pipeline stage, and passes each micro-batch's activations on (its gradients back) so that the stages
+work at once, in the order of a schedule (GPipe or 1F1B). World size / `--stages` replicas of the
+pipeline split each batch, as 04's ranks do. Each stage checkpoints its own part. Without GPUs: gloo
+on the CPU.
 
 Launch:
-    torchrun --nproc_per_node=N 08_cifar10_pipeline.py --amp bf16       # N GPUs on this machine: up to 4 stages
-    torchrun --standalone --nproc_per_node=2 08_cifar10_pipeline.py --synthetic --epochs 1   # CPU (gloo), offline
-    torchrun --standalone --nproc_per_node=4 08_cifar10_pipeline.py --synthetic --epochs 1 --stages 2   # 2 x 2
+    torchrun --nproc_per_node=N 08_cifar10_pipeline.py --amp bf16  # N GPUs: up to 4 stages
+    torchrun --standalone --nproc_per_node=2 08_cifar10_pipeline.py --synthetic --epochs 1  # CPU
+    torchrun --standalone --nproc_per_node=4 08_cifar10_pipeline.py --synthetic --stages 2  # 2 x 2
 """
 
 import functools  # [08]
@@ -18,7 +19,11 @@ import torch
 import torch.distributed as dist  # [04]
 import torch.distributed.checkpoint as dcp  # [08]
 import torch.nn.functional as F
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict  # [08]
+from torch.distributed.checkpoint.state_dict import (  # [08]
+    StateDictOptions,  # [08]
+    get_state_dict,  # [08]
+    set_state_dict,  # [08]
+)  # [08]
 from torch.distributed.device_mesh import init_device_mesh  # [08]
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe  # [08]
 from torch.utils.data import DistributedSampler, Subset  # [04]
@@ -34,10 +39,12 @@ def parse_args():
     flags.add_cifar10_arguments(parser)
     flags.add_amp_argument(parser)  # [02]
     parser.add_argument("--stages", type=flags.positive_int,  # [08]
-                        help="pipeline stages (default: the most that divide the world size, up to 5 and to "  # [08]
-                        "--microbatches)")  # [08]
-    parser.add_argument("--microbatches", type=flags.positive_int, default=4, help="per replica's batch")  # [08]
-    parser.add_argument("--schedule", choices=list(SCHEDULES), default="1f1b", help="GPipe or 1F1B")  # [08]
+                        help="pipeline stages (default: the most that divide the world "  # [08]
+                        "size, up to 5 and to --microbatches)")  # [08]
+    parser.add_argument("--microbatches", type=flags.positive_int, default=4,  # [08]
+                        help="per replica's batch")  # [08]
+    parser.add_argument("--schedule", choices=list(SCHEDULES), default="1f1b",  # [08]
+                        help="GPipe or 1F1B")  # [08]
     return parser.parse_args()
 
 
@@ -49,7 +56,8 @@ def main():
     preemption.connect()  # [04] its own gloo group: a network that gloo cannot use fails here
     train_set, sampler, train_loader, test_loader = build_data(context)
     model, schedule = build_model(context)  # [08] this rank's stage, and the schedule that runs it
-    optimizer = torch.optim.SGD(model.submod.parameters(), lr=args.lr, momentum=0.9, nesterov=True,  # [08]
+    optimizer = torch.optim.SGD(model.submod.parameters(), lr=args.lr, momentum=0.9,  # [08]
+                                nesterov=True,  # [08]
                                 weight_decay=5e-4)
     total_steps = args.epochs * len(train_loader)
     scheduler = torch.optim.lr_scheduler.OneCycleLR(optimizer, args.lr, total_steps=total_steps)
@@ -62,7 +70,8 @@ def main():
         if utils.finished(args.output_dir, state.step, last_step):  # run again after its end
             return
 
-    record = utils.RunRecord(__file__, context, len(train_loader), stages=context.mesh["pp"].size(),  # [08]
+    record = utils.RunRecord(__file__, context, len(train_loader),  # [08]
+                             stages=context.mesh["pp"].size(),  # [08]
                              microbatches=args.microbatches, schedule=args.schedule)  # [08]
     for epoch in range(state.epoch, args.epochs):  # from the checkpoint's epoch if resumed
         state.epoch = epoch
@@ -73,16 +82,18 @@ def main():
         record.stop_training(state.step)
         if preemption.stopped:  # [04] every rank stopped after this step, and it was saved
             raise utils.Preempted(preemption, state.step, args.output_dir)  # [04] exit status 75
-        test_loss, test_accuracy, test_samples = evaluate(context, model, test_loader, schedule)  # [08]
+        test_loss, test_accuracy, test_samples = evaluate(context, model, test_loader,  # [08]
+                                                          schedule)  # [08]
         record.end_epoch(epoch, state.step, train_loss, test_loss, test_accuracy, test_samples)
         if state.step >= last_step:
             break
 
-    # The first replica's stages send rank 0 their parts, on the CPU (not on another rank's GPU), with
-    # ResNet9's keys. A collective: every rank, outside the rank-0 branch. On gloo: under NCCL,
+    # The first replica's stages send rank 0 their parts, on the CPU (not on another rank's GPU),
+    # with ResNet9's keys. A collective: every rank, outside the rank-0 branch. On gloo: under NCCL,
     # gather_object would pad every rank's pickle to the largest and gather them onto rank 0's GPU.
     first_replica = context.mesh.get_local_rank("dp") == 0  # [08]
-    part = {key: value.cpu() for key, value in model.submod.state_dict().items()} if first_replica else {}  # [08]
+    part = {key: value.cpu() for key, value in model.submod.state_dict().items()}  # [08]
+    part = part if first_replica else {}  # [08]
     parts = [None] * context.world_size if context.rank == 0 else None  # [08]
     gather_group = dist.new_group(backend="gloo", timeout=distributed.TIMEOUT)  # [08]
     dist.gather_object(part, parts, dst=0, group=gather_group)  # [08]
@@ -108,27 +119,12 @@ def setup(args):
         utils.use_deterministic_kernels()  # [02] or --resume drifts from an uninterrupted run
     else:  # [02]
         distributed.print0("no GPU found: training on the CPU")  # [04]
-    if args.amp == "fp16":  # [08] a step skipped for an overflow would have to be skipped by every stage
+    # A step skipped for an overflow would have to be skipped by every stage.
+    if args.amp == "fp16":  # [08]
         raise utils.UsageError("--amp fp16: 08 has no loss scaling across pipeline stages; "  # [08]
                                "use --amp bf16")  # [08]
-    # By default every rank a stage, within ResNet-9's 5 blocks and 1F1B's micro-batches (replicas
-    # take the rest).
-    most = min(world_size, len(models.RESNET9_BLOCKS), args.microbatches)  # [08]
-    stages = args.stages or max(count for count in range(1, most + 1) if world_size % count == 0)  # [08]
-    if world_size % stages or stages > len(models.RESNET9_BLOCKS):  # [08]
-        raise utils.UsageError(f"--stages {stages} must divide the world size {world_size} and be at "  # [08]
-                               f"most {len(models.RESNET9_BLOCKS)}, ResNet-9's blocks")  # [08]
-    if args.schedule == "1f1b" and args.microbatches < stages:  # [08] steady state: a micro-batch per stage
-        raise utils.UsageError("--schedule 1f1b needs at least as many --microbatches as --stages "  # [08]
-                               f"({stages})")  # [08]
-    replicas = world_size // stages  # [08] each replica is a whole pipeline
-    # The layout. By default some world sizes (5 or 7 with 4 micro-batches) get no pipeline: say why.
-    no_pipeline = not args.stages and stages == 1 and world_size > 1  # [08]
-    distributed.print0(f"{stages} stage(s) x {replicas} replica(s)" + (  # [08]
-        f": no stage count from 2 to {most} divides {world_size} (--help)" if no_pipeline else ""))  # [08]
-    if args.batch_size % (replicas * args.microbatches):  # [08] each replica cuts its share in micro-batches
-        raise utils.UsageError(f"--batch-size {args.batch_size} is not divisible by {replicas} "  # [08]
-                               f"replica(s) x --microbatches {args.microbatches}")  # [08]
+    # --stages pipeline stages x replicas, checked, and said in one line.
+    stages, replicas = distributed.pipeline_layout(args, world_size)  # [08]
     # Before the process group, whose timeout a slow download would outlast.
     if not args.synthetic:
         data.download_cifar10(args.data_dir)
@@ -138,7 +134,8 @@ def setup(args):
     backend = "nccl" if device.type == "cuda" else "gloo"  # [04]
     dist.init_process_group(backend, timeout=distributed.TIMEOUT,  # [04]
                             device_id=device if backend == "nccl" else None)  # [04] NCCL: its GPU
-    # rank = stage x replicas + replica: a stage's replicas are neighbours, its all-reduce on a machine.
+    # rank = stage x replicas + replica: a stage's replicas are neighbours, its all-reduce on a
+    # machine.
     mesh = init_device_mesh(device.type, (stages, replicas), mesh_dim_names=("pp", "dp"))  # [08]
     return utils.Context(args, device, flags.AMP_DTYPES[args.amp], rank, world_size, mesh)  # [08]
 
@@ -146,15 +143,16 @@ def setup(args):
 def build_data(context):
     """The training set, its sampler, and the training and test loaders."""
     args, device = context.args, context.device
-    # Per replica: all its stages read the same batches (the first stage uses the images, the last the
-    # labels).
+    # Per replica: all its stages read the same batches (the first stage uses the images, the last
+    # the labels).
     replica, replicas = context.mesh.get_local_rank("dp"), context.mesh["dp"].size()  # [08]
     batch_size = args.batch_size // replicas  # [08] every stage of a replica sees this batch
     train_set, test_set = data.load_cifar10(args.data_dir, args.synthetic, seed=args.seed)
     if args.batch_size > len(train_set):
         raise utils.UsageError(f"--batch-size {args.batch_size} is larger than the training set "
                                f"({len(train_set)})")
-    # Every replica shuffles alike and keeps every replicas-th sample: disjoint shares of 01's batch.
+    # Every replica shuffles alike and keeps every replicas-th sample: disjoint shares of 01's
+    # batch.
     sampler = DistributedSampler(train_set, num_replicas=replicas, rank=replica,  # [08]
                                  seed=args.seed, drop_last=True)  # [04]
     # Whole batches, cut and augmented on `device` in a few tensor ops (docs/data-and-model.md).
@@ -173,21 +171,24 @@ def build_model(context):
     stage_index, stages = mesh.get_local_rank("pp"), mesh["pp"].size()  # [08]
     # Every rank builds the whole model from one seed and keeps its stage's blocks: one process's
     # initial weights.
-    model = models.pipeline_stage(models.build(args), stage_index, stages).to(context.device)  # [08]
+    model = models.pipeline_stage(models.build(args), stage_index, stages)  # [08]
+    model = model.to(context.device)  # [08]
     # Sends its outputs to the next stage's rank and receives its inputs, in the first micro-batch's
     # shapes.
-    stage = PipelineStage(model, stage_index, stages, context.device, group=mesh["pp"].get_group())  # [08]
+    stage = PipelineStage(model, stage_index, stages, context.device,  # [08]
+                          group=mesh["pp"].get_group())  # [08]
     # Each micro-batch's loss is its mean, and the stages add up the micro-batches' gradients: the
     # schedule divides them by their number (scale_grads, the default): the whole batch's gradients.
     loss_fn = functools.partial(F.cross_entropy, label_smoothing=args.label_smoothing)  # [08]
-    schedule = SCHEDULES[args.schedule](stage, n_microbatches=args.microbatches, loss_fn=loss_fn)  # [08]
+    schedule = SCHEDULES[args.schedule](stage, n_microbatches=args.microbatches,  # [08]
+                                        loss_fn=loss_fn)  # [08]
     return stage, schedule  # [08]
 
 
 def train_one_epoch(context, state, loader, schedule, preemption):  # [08]
     """Train until the end of the epoch or the run's last step; returns the mean loss."""
     args, device, stage = context.args, context.device, state.model  # [08]
-    amp_dtype, dp_group = context.amp_dtype, context.mesh["dp"].get_group()  # [08]
+    amp_dtype, mesh = context.amp_dtype, context.mesh  # [08]
     stage.submod.train()  # [08]
     done = state.step - state.epoch * len(loader)  # batches of this epoch trained before a resume
     end = min(len(loader), done + state.last_step - state.step)
@@ -203,18 +204,22 @@ def train_one_epoch(context, state, loader, schedule, preemption):  # [08]
             # computes the losses.
             schedule.step(*[images] if stage.is_first else [], target=labels, losses=losses)  # [08]
         # The replicas average their gradients, as DDP does (DDP cannot wrap a stage:
-        # docs/pipeline-parallel.md), all in one all-reduce: one collective per step, not per parameter.
+        # docs/pipeline-parallel.md), all in one all-reduce: one collective per step, not per
+        # parameter.
         gradients = [parameter.grad for parameter in stage.submod.parameters()]  # [08]
         flat = torch.cat([gradient.flatten() for gradient in gradients])  # [08]
-        dist.all_reduce(flat, group=dp_group)  # [08]
-        averaged = flat.div_(dist.get_world_size(dp_group)).split([g.numel() for g in gradients])  # [08]
+        dist.all_reduce(flat, group=mesh["dp"].get_group())  # [08]
+        flat /= mesh["dp"].size()  # [08]
+        averaged = flat.split([gradient.numel() for gradient in gradients])  # [08]
         for gradient, average in zip(gradients, averaged, strict=True):  # [08]
             gradient.copy_(average.view_as(gradient))  # [08]
         state.optimizer.step()  # [08]
         state.scheduler.step()
         state.step += 1
-        # Only the last stage has a loss; the others add zeros, which the sum over all ranks leaves out.
-        loss = torch.stack(losses).mean() if stage.is_last else torch.zeros((), device=device)  # [08]
+        # Only the last stage has a loss; the others add zeros, which the sum over all ranks leaves
+        # out.
+        no_loss = torch.zeros((), device=device)  # [08]
+        loss = torch.stack(losses).mean() if stage.is_last else no_loss  # [08]
         loss_sum += loss.detach()
         at_end = state.step == state.last_step
         stop = preemption.should_stop()  # [04] every rank, every step: none may stop alone
@@ -222,14 +227,14 @@ def train_one_epoch(context, state, loader, schedule, preemption):  # [08]
         # Reading the loss waits for the step to finish: every 10 steps, at the end, before a save.
         if state.step % 10 == 0 or at_end or save_due:
             # On every rank: all stop on a NaN at once. Times the stages: the replicas' mean.
-            logged_loss = distributed.all_reduce_mean(loss).item() * context.mesh["pp"].size()  # [08]
+            logged_loss = distributed.all_reduce_mean(loss).item() * mesh["pp"].size()  # [08]
             utils.check_finite(logged_loss, state.step)  # a diverged run stops before it saves NaNs
             progress.set_postfix(loss=f"{logged_loss:.3f}")
         if save_due:  # [08] every rank: each stage writes its own part
             save_checkpoint(context, state)
         if stop:  # [04]
             break  # [04]
-    mean = distributed.all_reduce_mean(loss_sum).item() * context.mesh["pp"].size()  # [08]
+    mean = distributed.all_reduce_mean(loss_sum).item() * mesh["pp"].size()  # [08]
     return mean / max(end - done, 1)  # [08]
 
 
@@ -247,12 +252,16 @@ def evaluate(context, model, loader, schedule):  # [08]
         # Every batch keeps the first one's shape (inferred once per evaluation): pad a smaller last
         # one with zeros.
         count = len(labels)  # [08]
-        images = torch.cat([images, images.new_zeros(batch_size - count, *images.shape[1:])])  # [08]
+        padding = images.new_zeros(batch_size - count, *images.shape[1:])  # [08]
+        images = torch.cat([images, padding])  # [08]
         padded_labels = torch.cat([labels, labels.new_zeros(batch_size - count)])  # [08]
         with torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None):  # [02]
-            # Forward passes only. The last stage gets the logits of the whole batch, the others None.
-            logits = schedule.eval(*[images] if stage.is_first else [], target=padded_labels)  # [08]
-            if context.args.tta:  # [08] test-time augmentation (models.predict): mirrored images too
+            # Forward passes only. The last stage gets the logits of the whole batch, the others
+            # None.
+            logits = schedule.eval(*[images] if stage.is_first else [],  # [08]
+                                   target=padded_labels)  # [08]
+            # Test-time augmentation (models.predict): mirrored images too.
+            if context.args.tta:  # [08]
                 mirrored = schedule.eval(*[images.flip(-1)] if stage.is_first else [],  # [08]
                                          target=padded_labels)  # [08]
         if not stage.is_last:  # [08] its totals stay 0
@@ -278,7 +287,8 @@ def save_checkpoint(context, state):
     # What the replicas hold alike is written once, from any: make BatchNorm's statistics the first
     # replica's.
     distributed.broadcast_buffers(model, group=context.mesh["dp"].get_group())  # [08]
-    model_state, optimizer_state = get_state_dict(model, state.optimizer, options=CHECKPOINT_OPTIONS)  # [08]
+    model_state, optimizer_state = get_state_dict(model, state.optimizer,  # [08]
+                                                  options=CHECKPOINT_OPTIONS)  # [08]
     dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=path)  # [08]
     if context.rank != 0:  # [08] the rest is the same on every rank: one writer
         return  # [08]
@@ -292,7 +302,8 @@ def save_checkpoint(context, state):
         "seed": args.seed,
         "width": args.width,
     }, os.path.join(path, "train_state.pt"))  # [08]
-    # `latest` last, atomically: a crash mid-save leaves it naming the previous, complete checkpoint.
+    # `latest` last, atomically: a crash mid-save leaves it naming the previous, complete
+    # checkpoint.
     utils.write_text(f"step{state.step}", os.path.join(directory, "latest"))  # [08]
     utils.remove_other_checkpoints(directory, keep=f"step{state.step}")  # [08]
 
@@ -306,7 +317,8 @@ def load_checkpoint(context, state):
     utils.check_resumable(path, checkpoint, batch_size=args.batch_size, epochs=args.epochs,
                           seed=args.seed, width=args.width)
     # Every rank reads its own stage's parameters and their optimizer state, whoever wrote them.
-    model_state, optimizer_state = get_state_dict(model, state.optimizer, options=CHECKPOINT_OPTIONS)  # [08]
+    model_state, optimizer_state = get_state_dict(model, state.optimizer,  # [08]
+                                                  options=CHECKPOINT_OPTIONS)  # [08]
     dcp.load({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=path)  # [08]
     set_state_dict(model, state.optimizer, model_state_dict=model_state,  # [08]
                    optim_state_dict=optimizer_state, options=CHECKPOINT_OPTIONS)  # [08]

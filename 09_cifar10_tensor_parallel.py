@@ -1,17 +1,17 @@
-"""Step 09: layers split across ranks: tensor and sequence parallelism on a 2D mesh, with FSDP2 across it.
+"""Step 09: layers split across ranks: tensor and sequence parallelism on a 2D mesh, and FSDP2.
 
-New (relative to step 07; lines marked `# [09]`): the model is a small vision transformer (tensor parallelism
-splits linear layers), and a group of `--tp-size` ranks computes each layer together. The attention heads and
-the MLP's hidden features are split across the group (the first projection of each by columns, the second by
-rows); between them, where every rank would otherwise repeat the same work, the norms and dropouts run on a
-slice of the tokens each (sequence parallelism). The group sees the same batch; world size / `--tp-size` such
-groups split each batch, sharded with FSDP2 as in 07. The loss is computed from logits split by class.
-Without GPUs: gloo on the CPU.
+New (relative to step 07; lines marked `# [09]`): the model is a small vision transformer (tensor
+parallelism splits linear layers), and a group of `--tp-size` ranks computes each layer together.
+The attention heads and the MLP's hidden features are split across the group (the first projection
+of each by columns, the second by rows); between them, where every rank would otherwise repeat the
+same work, the norms and dropouts run on a slice of the tokens each (sequence parallelism). The
+group sees the same batch; world size / `--tp-size` such groups split each batch, sharded with FSDP2
+as in 07. The loss is computed from logits split by class. Without GPUs: gloo on the CPU.
 
 Launch:
-    torchrun --nproc_per_node=N 09_cifar10_tensor_parallel.py --tp-size 2 --amp bf16   # N GPUs on this machine
-    torchrun --standalone --nproc_per_node=2 09_cifar10_tensor_parallel.py --synthetic --epochs 1   # CPU (gloo)
-    torchrun --standalone --nproc_per_node=4 09_cifar10_tensor_parallel.py --synthetic --epochs 1   # tp 2 x dp 2
+    torchrun --nproc_per_node=N 09_cifar10_tensor_parallel.py --tp-size 2 --amp bf16  # N GPUs
+    torchrun --standalone --nproc_per_node=2 09_cifar10_tensor_parallel.py --synthetic  # CPU
+    torchrun --standalone --nproc_per_node=4 09_cifar10_tensor_parallel.py --synthetic  # tp 2, dp 2
 """
 
 import dataclasses  # [07]
@@ -52,7 +52,8 @@ def parse_args():
     flags.add_cifar10_arguments(parser, model="vit")  # [09]
     flags.add_dropout_argument(parser)  # [09]
     flags.add_amp_argument(parser)  # [02]
-    parser.add_argument("--tp-size", type=flags.positive_int, help="ranks per layer (default: 2, or 1 alone)")  # [09]
+    parser.add_argument("--tp-size", type=flags.positive_int,  # [09]
+                        help="ranks per layer (default: 2, or 1 alone)")  # [09]
     return parser.parse_args()
 
 
@@ -121,20 +122,12 @@ def setup(args):
         utils.use_deterministic_kernels()  # [02] or --resume drifts from an uninterrupted run
     else:  # [02]
         distributed.print0("no GPU found: training on the CPU")  # [04]
-    if args.amp == "fp16":  # [09] a step skipped for an overflow must be skipped by every rank of a group
-        raise utils.UsageError("--amp fp16: 09 has no loss scaling across tensor-parallel ranks; "  # [09]
-                               "use --amp bf16")  # [09]
-    tp_size = args.tp_size or min(2, world_size)  # [09]
-    if world_size % tp_size or models.VIT_HEADS % tp_size:  # [09] a rank of a group holds whole heads
-        raise utils.UsageError(f"--tp-size {tp_size} must divide the world size {world_size} and the "  # [09]
-                               f"{models.VIT_HEADS} attention heads")  # [09]
-    if args.width % models.VIT_HEADS:  # [09]
-        raise utils.UsageError(f"--width {args.width} is not divisible by the {models.VIT_HEADS} "  # [09]
-                               "heads")  # [09]
-    replicas = world_size // tp_size  # [09] each replica is a group of tp_size ranks
-    if args.batch_size % replicas:  # [09] --batch-size is global: each replica takes a share
-        raise utils.UsageError(f"--batch-size {args.batch_size} is not divisible "  # [04]
-                               f"by {replicas} replica(s)")  # [09]
+    # A step skipped for an overflow must be skipped by every rank of a group.
+    if args.amp == "fp16":  # [09]
+        raise utils.UsageError("--amp fp16: 09 has no loss scaling across tensor-parallel "  # [09]
+                               "ranks; use --amp bf16")  # [09]
+    # Groups of --tp-size ranks compute each layer; replicas of the group split the batch.
+    tp_size, replicas = distributed.tensor_parallel_layout(args, world_size)  # [09]
     # Before the process group, whose timeout a slow download would outlast.
     if not args.synthetic:
         data.download_cifar10(args.data_dir)
@@ -144,8 +137,9 @@ def setup(args):
     backend = "nccl" if device.type == "cuda" else "gloo"  # [04]
     dist.init_process_group(backend, timeout=distributed.TIMEOUT,  # [04]
                             device_id=device if backend == "nccl" else None)  # [04] NCCL: its GPU
-    # rank = replica x tp_size + tp rank: a group's ranks are neighbours, on one machine, since every
-    # layer communicates within the group; FSDP2's few collectives per unit and step cross machines.
+    # rank = replica x tp_size + tp rank: a group's ranks are neighbours, on one machine, since
+    # every layer communicates within the group; FSDP2's few collectives per unit and step cross
+    # machines.
     mesh = init_device_mesh(device.type, (replicas, tp_size), mesh_dim_names=("dp", "tp"))  # [09]
     return utils.Context(args, device, flags.AMP_DTYPES[args.amp], rank, world_size, mesh)  # [09]
 
@@ -160,7 +154,8 @@ def build_data(context):
     if args.batch_size > len(train_set):
         raise utils.UsageError(f"--batch-size {args.batch_size} is larger than the training set "
                                f"({len(train_set)})")
-    # Every replica shuffles alike and keeps every replicas-th sample: disjoint shares of 01's batch.
+    # Every replica shuffles alike and keeps every replicas-th sample: disjoint shares of 01's
+    # batch.
     sampler = DistributedSampler(train_set, num_replicas=replicas, rank=replica,  # [09]
                                  seed=args.seed, drop_last=True)  # [04]
     # Whole batches, cut and augmented on `device` in a few tensor ops (docs/data-and-model.md).
@@ -184,38 +179,41 @@ def build_model(context):
     # (to_empty, below), so a model larger than one GPU fits.
     with torch.device("meta"):  # [07]
         model = models.build(context.args)  # [07]
-    # Tensor parallelism within each group. Colwise: each rank holds some output features of the layer
-    # (a few heads, a slice of the MLP's hidden features) and needs the whole input; rowwise: the
-    # matching input features, so its outputs are partial sums that the group adds up. Between the
-    # blocks' layers every rank would repeat the same norms, dropouts and residual additions: instead
-    # each runs them on its slice of the tokens (sequence parallel), and the group gathers the tokens
-    # before a colwise layer and reduce-scatters them after a rowwise one: the same amount of
-    # communication as an all-reduce.
+    # Tensor parallelism within each group. Colwise: each rank holds some output features of the
+    # layer (a few heads, a slice of the MLP's hidden features) and needs the whole input; rowwise:
+    # the matching input features, so its outputs are partial sums that the group adds up. Between
+    # the blocks' layers every rank would repeat the same norms, dropouts and residual additions:
+    # instead each runs them on its slice of the tokens (sequence parallel), and the group gathers
+    # the tokens before a colwise layer and reduce-scatters them after a rowwise one: the same
+    # amount of communication as an all-reduce.
     tp_plan = {  # [09]
         "attention_norm": SequenceParallel(),  # [09] its weights whole, its input a slice of tokens
-        "attention": PrepareModuleInput(input_layouts=Shard(1), desired_input_layouts=Replicate()),  # [09]
+        "attention": PrepareModuleInput(input_layouts=Shard(1),  # [09] all-gathers the tokens
+                                        desired_input_layouts=Replicate()),  # [09]
         "attention.query": ColwiseParallel(),  # [09] this rank's heads
         "attention.key": ColwiseParallel(),  # [09]
         "attention.value": ColwiseParallel(),  # [09]
-        "attention.output": RowwiseParallel(output_layouts=Shard(1)),  # [09] summed, scattered by token
+        "attention.output": RowwiseParallel(output_layouts=Shard(1)),  # [09] summed, then scattered
         "mlp_norm": SequenceParallel(),  # [09]
-        "mlp": PrepareModuleInput(input_layouts=Shard(1), desired_input_layouts=Replicate()),  # [09]
+        "mlp": PrepareModuleInput(input_layouts=Shard(1),  # [09]
+                                  desired_input_layouts=Replicate()),  # [09]
         "mlp.up": ColwiseParallel(),  # [09]
         "mlp.down": RowwiseParallel(output_layouts=Shard(1)),  # [09]
     }  # [09]
     for block in model.blocks:  # [09]
         parallelize_module(block, mesh["tp"], tp_plan)  # [09] in place: the weights become DTensors
     parallelize_module(model, mesh["tp"], {  # [09]
-        # The embedding runs whole on every rank (a convolution), then each keeps its slice of tokens.
-        "embedding": PrepareModuleOutput(output_layouts=Replicate(), desired_output_layouts=Shard(1)),  # [09]
+        # The embedding runs whole on every rank (a convolution); each keeps its slice of tokens.
+        "embedding": PrepareModuleOutput(output_layouts=Replicate(),  # [09]
+                                         desired_output_layouts=Shard(1)),  # [09]
         "norm": SequenceParallel(),  # [09]
         # The head gathers the tokens and keeps its logits split by class for loss_parallel (below).
         "head": ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1),  # [09]
                                 use_local_output=False),  # [09]
     })  # [09]
-    # Each block, then the root (the rest), becomes one FSDP unit across the replicas, as in 07: each
-    # rank keeps 1/replicas of its tensor-parallel part of every weight. --amp: the gathered copies
-    # are cast to 16 bits; the gradients are reduced, and the shards kept, in fp32.
+    # Each block, then the root (the rest), becomes one FSDP unit across the replicas, as in 07:
+    # each rank keeps 1/replicas of its tensor-parallel part of every weight. --amp: the gathered
+    # copies are cast to 16 bits; the gradients are reduced, and the shards kept, in fp32.
     amp_dtype = context.amp_dtype  # [07]
     policy = MixedPrecisionPolicy(param_dtype=amp_dtype,  # [07]
                                   reduce_dtype=torch.float32 if amp_dtype else None)  # [07]
@@ -228,8 +226,8 @@ def build_model(context):
     # One process's initial weights (the seed's), built in rank 0's CPU memory and sent tensor by
     # tensor: each rank keeps its shard of each, and never holds the whole model on its device.
     initial_weights = models.build(context.args).state_dict() if context.rank == 0 else {}  # [07]
-    set_model_state_dict(model, initial_weights,  # [07]
-                         options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))  # [07]
+    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)  # [07]
+    set_model_state_dict(model, initial_weights, options=options)  # [07]
     return model
 
 
@@ -243,12 +241,12 @@ def train_one_epoch(context, state, loader, preemption):  # [04]
     progress = tqdm(loader.batches(done, end), total=end - done,
                     desc=f"epoch {state.epoch + 1}", leave=False, disable=context.rank != 0)  # [04]
     for images, labels in progress:
-        # Dropout masks from (seed, step, rank) alone: each rank's tokens get their own, and a resumed
-        # run the same.
+        # Dropout masks from (seed, step, rank) alone: each rank's tokens get their own, and a
+        # resumed run the same.
         torch.manual_seed(hash((args.seed, state.step, context.rank)))  # [09]
         # The logits stay split by class across the group: the softmax's maximum and sum, and the
-        # target's log-probability, are all-reduced; the logits are never gathered. The backward pass
-        # needs the same context.
+        # target's log-probability, are all-reduced; the logits are never gathered. The backward
+        # pass needs the same context.
         with loss_parallel():  # [09]
             logits = model(images)  # [09]
             loss = F.cross_entropy(logits, labels, reduction="none")  # [09]
@@ -285,7 +283,8 @@ def evaluate(context, model, loader):
     # The loss sum, the correct predictions, the samples.
     totals = torch.zeros(3, dtype=torch.float64, device=device)
     for images, labels in loader:
-        logits = models.predict(model, images, flip=context.args.tta).full_tensor()  # [09] all classes
+        # All classes.
+        logits = models.predict(model, images, flip=context.args.tta).full_tensor()  # [09]
         totals[0] += F.cross_entropy(logits.float(), labels, reduction="sum")
         totals[1] += (logits.argmax(dim=1) == labels).sum()
         totals[2] += len(labels)
@@ -296,12 +295,14 @@ def evaluate(context, model, loader):
 
 
 def smoothing_term(logits, labels):  # [09]
-    """ε times this is what --label-smoothing adds to each sample's loss: mean(-log p) - nll, which is
-    the label's logit minus the mean logit (log p = logit - logsumexp, logsumexp = nll + the label's
-    logit): one sum over the classes, which each rank takes over its own and DTensor all-reduces."""  # [09]
+    """ε times this is what --label-smoothing adds to each sample's loss: mean(-log p) - nll,
+    which is the label's logit minus the mean logit (log p = logit - logsumexp, logsumexp = nll +
+    the label's logit): one sum over the classes, which each rank takes over its own and DTensor
+    all-reduces."""  # [09]
     classes = logits.shape[-1]  # [09]
-    one_hot = distribute_tensor(F.one_hot(labels, classes).to(logits.dtype), logits.device_mesh,  # [09]
-                                logits.placements, src_data_rank=None)  # [09] every rank has the labels
+    # src_data_rank=None: every rank has the labels, none sends them.
+    one_hot = distribute_tensor(F.one_hot(labels, classes).to(logits.dtype),  # [09]
+                                logits.device_mesh, logits.placements, src_data_rank=None)  # [09]
     return (logits * (one_hot - 1 / classes)).sum(-1)  # [09]
 
 
@@ -309,7 +310,7 @@ def save_checkpoint(context, state):
     """Everything a resumed run needs to continue as if it had never stopped."""
     args, directory = context.args, os.path.join(context.args.output_dir, "checkpoints")  # [07]
     path = os.path.join(directory, f"step{state.step}")  # [07]
-    # The weights and the optimizer state stay sharded: every rank writes its own shards, in parallel.
+    # The weights and the optimizer state stay sharded: every rank writes its own shards.
     model_state, optimizer_state = get_state_dict(state.model, state.optimizer)  # [07] this rank's
     dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=path)  # [07]
     if context.rank != 0:  # [07] the rest is the same on every rank: one writer
@@ -324,7 +325,7 @@ def save_checkpoint(context, state):
         "seed": args.seed,
         "width": args.width,
     }, os.path.join(path, "train_state.pt"))  # [07]
-    # `latest` last, atomically: a crash mid-save leaves it naming the previous, complete checkpoint.
+    # `latest` last, atomically: a crash mid-save leaves it naming the previous checkpoint.
     utils.write_text(f"step{state.step}", os.path.join(directory, "latest"))  # [07]
     utils.remove_other_checkpoints(directory, keep=f"step{state.step}")  # [07]
 

@@ -10,7 +10,7 @@ from multiprocessing import resource_tracker
 import torch
 import torch.distributed as dist
 
-from common import utils
+from common import models, utils
 from common.utils import UsageError
 
 # How long a collective waits for a missing rank before the job fails: 5 minutes, not gloo's default 30
@@ -81,6 +81,46 @@ def require_one_gpu_per_process():
     if processes > torch.cuda.device_count():
         raise UsageError(f"{processes} processes on this machine but {torch.cuda.device_count()} GPU(s): "
                          "start one process per GPU (--nproc_per_node, --num_gpus)")
+
+
+def pipeline_layout(args, world_size):
+    """Step 08's layout, (stages, replicas), said in one line by rank 0: `--stages` pipeline stages, each
+    replicated across the rest of the world. By default every rank is a stage, within ResNet-9's 5 blocks
+    and `--microbatches` (1F1B's steady state runs a micro-batch per stage); some world sizes (5 or 7 with 4
+    micro-batches) then get no pipeline, and the line says why. Input that does not fit is one UsageError."""
+    blocks = len(models.RESNET9_BLOCKS)
+    most = min(world_size, blocks, args.microbatches)
+    stages = args.stages or max(count for count in range(1, most + 1) if world_size % count == 0)
+    if world_size % stages or stages > blocks:
+        raise UsageError(f"--stages {stages} must divide the world size {world_size} and be at most {blocks}, "
+                         "ResNet-9's blocks")
+    if args.schedule == "1f1b" and args.microbatches < stages:
+        raise UsageError(f"--schedule 1f1b needs at least as many --microbatches as --stages ({stages})")
+    replicas = world_size // stages
+    if args.batch_size % (replicas * args.microbatches):  # each replica cuts its share into micro-batches
+        raise UsageError(f"--batch-size {args.batch_size} is not divisible by {replicas} replica(s) x "
+                         f"--microbatches {args.microbatches}")
+    no_pipeline = not args.stages and stages == 1 and world_size > 1
+    print0(f"{stages} stage(s) x {replicas} replica(s)"
+           + (f": no stage count from 2 to {most} divides {world_size} (--help)" if no_pipeline else ""))
+    return stages, replicas
+
+
+def tensor_parallel_layout(args, world_size):
+    """Step 09's layout, (tp_size, replicas): groups of `--tp-size` ranks (default 2, or 1 alone) compute
+    each layer together, each holding whole attention heads, and the groups replicate the model. Input that
+    does not fit is one UsageError."""
+    heads = models.VIT_HEADS
+    tp_size = args.tp_size or min(2, world_size)
+    if world_size % tp_size or heads % tp_size:
+        raise UsageError(f"--tp-size {tp_size} must divide the world size {world_size} and the {heads} "
+                         "attention heads")
+    if args.width % heads:
+        raise UsageError(f"--width {args.width} is not divisible by the {heads} heads")
+    replicas = world_size // tp_size
+    if args.batch_size % replicas:  # --batch-size is global: each replica takes an equal share
+        raise UsageError(f"--batch-size {args.batch_size} is not divisible by {replicas} replica(s)")
+    return tp_size, replicas
 
 
 class Preemption:

@@ -103,3 +103,22 @@ def test_grep_for_the_tag_prints_the_lesson(step):
     tagged = "\n".join(line for line in (ROOT / SCRIPTS[step]).read_text().splitlines() if f"[{step}]" in line)
     missing = [call for call in LESSONS[step] if call not in tagged]
     assert not missing, f"grep '\\[{step}\\]' {SCRIPTS[step]} misses {missing}"
+
+
+# One skeleton (README, "The tour"): these functions in this order in every step, so that a diff of two steps
+# lands in the same places; a step may add its own between them (09's smoothing_term).
+SKELETON = ["parse_args", "main", "setup", "build_data", "build_model", "train_one_epoch", "evaluate",
+            "save_checkpoint", "load_checkpoint"]
+MAIN_LINES, TRAIN_PARAMETERS, LINE_LENGTH = 60, 5, 100
+
+
+@pytest.mark.parametrize("step", SCRIPTS)
+def test_every_step_has_the_skeleton_a_main_that_fits_a_screen_and_short_lines(step):
+    source = (ROOT / SCRIPTS[step]).read_text()
+    functions = {node.name: node for node in ast.parse(source).body if isinstance(node, ast.FunctionDef)}
+    assert [name for name in functions if name in SKELETON] == SKELETON
+    main = functions["main"]
+    assert main.end_lineno - main.lineno + 1 <= MAIN_LINES, f"main() is {main.end_lineno - main.lineno + 1} lines"
+    assert len(functions["train_one_epoch"].args.args) <= TRAIN_PARAMETERS
+    long = [number for number, line in enumerate(source.splitlines(), 1) if len(line) > LINE_LENGTH]
+    assert not long, f"lines longer than {LINE_LENGTH} characters: {long}"
