@@ -61,7 +61,8 @@ def main():
         if state.step >= last_step:
             break
 
-    utils.write_outputs(args.output_dir, model.state_dict(), record.metrics())
+    metrics = record.metrics()  # wall_seconds ends here, before the final writes
+    utils.write_outputs(args.output_dir, model.state_dict(), metrics)
 
 
 def setup(args):

@@ -65,8 +65,9 @@ def main():
         if state.step >= last_step:
             break
 
+    metrics = record.metrics()  # wall_seconds ends here, before the final writes
     # The weights are in model.module; saving the wrapper would prefix every key with "module.".
-    utils.write_outputs(args.output_dir, model.module.state_dict(), record.metrics())  # [03]
+    utils.write_outputs(args.output_dir, model.module.state_dict(), metrics)  # [03]
 
 
 def setup(args):

@@ -39,7 +39,7 @@ def main():
     preemption = distributed.Preemption()  # [04] first: until then, a signal kills the process
     context, accelerator = setup(args)  # [06]
     preemption.connect()  # [04] its own gloo group: a network that gloo cannot use fails here
-    train_set, _, train_loader, test_loader = build_data(context)  # [06] its sampler: below
+    train_set, _, train_loader, test_loader = build_data(context)  # [06] set_epoch: below
     model = build_model(context)
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9, nesterov=True,
                                 weight_decay=5e-4)
@@ -51,13 +51,12 @@ def main():
     model, optimizer, train_loader, test_loader, scheduler = accelerator.prepare(  # [06]
         model, optimizer, train_loader, test_loader, scheduler)  # [06]
     # One seed built the same weights everywhere; from here on each process draws its own dropout
-    # masks.
-    # Seed + process index: Python, NumPy, torch, GPUs.
+    # masks, from the seed plus its index (Python, NumPy, torch, GPUs).
     set_seed(args.seed, device_specific=True)  # [06]
     state = utils.State(model, optimizer, scheduler, last_step)  # [06]
 
     # Started again (torchrun --max-restarts, a requeued Slurm job)? Rank 0 decides for all.
-    if distributed.should_resume(args.resume, f"{args.output_dir}/checkpoint.pt"):  # [04]
+    if distributed.should_resume(args.resume, args.output_dir, "checkpoint.pt"):  # [04]
         load_checkpoint(context, state, accelerator)  # [06]
         if utils.finished(args.output_dir, state.step, last_step):  # run again after its end
             return
@@ -78,11 +77,12 @@ def main():
         if state.step >= last_step:
             break
 
+    metrics = record.metrics()  # wall_seconds ends here, before the final writes
     # One writer, and no collective in here: the other ranks would never join it. unwrap_model takes
     # the wrappers off: a plain state_dict, without "module." prefixes.
     if context.rank == 0:  # [04]
         weights = accelerator.unwrap_model(model).state_dict()  # [06]
-        utils.write_outputs(args.output_dir, weights, record.metrics())  # [06]
+        utils.write_outputs(args.output_dir, weights, metrics)  # [06]
     # Leave together: a rank that leaves while rank 0 writes can abort it.
     accelerator.wait_for_everyone()  # [06]
     accelerator.end_training()  # [06] destroys the process group
@@ -91,7 +91,7 @@ def main():
 def setup(args):
     """What the run is, read by every function below (common/utils.py's Context)."""
     utils.seed_everything(args.seed)
-    # Every check of the input before the process group, which `Accelerator` starts (04 says why).
+    # The checks of the flags before the process group, which `Accelerator` starts (04 says why).
     # The launcher sets WORLD_SIZE; plain `python` is a world of one.
     world_size = int(os.environ.get("WORLD_SIZE", "1"))  # [06]
     if args.batch_size % world_size:  # [04] --batch-size is global: each process takes a share

@@ -61,7 +61,7 @@ def main():
     state = utils.State(model, optimizer, scheduler, last_step, scaler)  # [02]
 
     # Started again (torchrun --max-restarts, a requeued Slurm job)? Rank 0 decides for all.
-    if distributed.should_resume(args.resume, f"{args.output_dir}/checkpoints/latest"):  # [07]
+    if distributed.should_resume(args.resume, args.output_dir, "checkpoints", "latest"):  # [07]
         load_checkpoint(context, state)
         if utils.finished(args.output_dir, state.step, last_step):  # run again after its end
             return
@@ -81,13 +81,14 @@ def main():
         if state.step >= last_step:
             break
 
+    metrics = record.metrics()  # wall_seconds ends here, before the final writes
     # Gathering the full weights is a collective: every rank takes part, rank 0 alone receives them
     # (the others get an empty dict), on the CPU, in fp32: model.pt in every step's format.
     options = StateDictOptions(full_state_dict=True, cpu_offload=True)  # [07]
     weights = get_model_state_dict(model, options=options)  # [07]
     # One writer, and no collective in here: the other ranks would never join it.
     if context.rank == 0:  # [04]
-        utils.write_outputs(args.output_dir, weights, record.metrics())  # [07]
+        utils.write_outputs(args.output_dir, weights, metrics)  # [07]
     dist.barrier()  # [04] leave together: a rank that leaves while rank 0 writes can abort it
     dist.destroy_process_group()  # [04]
 
@@ -113,8 +114,8 @@ def setup(args):
     if not args.synthetic:
         data.download_cifar10(args.data_dir)
     # The process group connects the processes for collectives (broadcast, all-reduce...): NCCL
-    # between GPUs, gloo between CPUs. After the checks: a rank that stops while others connect
-    # breaks their connections, and they fail with tracebacks instead of its one error line.
+    # between GPUs, gloo between CPUs. After the checks of the flags: a rank that stops while others
+    # connect breaks their connections, and they fail with tracebacks instead of its one error line.
     backend = "nccl" if device.type == "cuda" else "gloo"  # [04]
     dist.init_process_group(backend, timeout=distributed.TIMEOUT,  # [04]
                             device_id=device if backend == "nccl" else None)  # [04] NCCL: its GPU
@@ -124,23 +125,24 @@ def setup(args):
 def build_data(context):
     """The training set, its sampler, and the training and test loaders."""
     args, device = context.args, context.device
-    rank, world_size = context.rank, context.world_size  # [04]
-    batch_size = args.batch_size // world_size  # [04] this process's share of each global batch
+    # Each process is a replica of the model (08 and 09 make a group of ranks one replica).
+    replica, replicas = context.replica, context.replicas  # [04]
+    batch_size = args.batch_size // replicas  # [04] this replica's share of each global batch
     train_set, test_set = data.load_cifar10(args.data_dir, args.synthetic, seed=args.seed)
     if args.batch_size > len(train_set):
         raise utils.UsageError(f"--batch-size {args.batch_size} is larger than the training set "
                                f"({len(train_set)})")
-    # Every rank shuffles alike and keeps every world_size-th sample: disjoint shares of 01's batch.
-    sampler = DistributedSampler(train_set, num_replicas=world_size, rank=rank,  # [04]
+    # Every replica shuffles alike and keeps every replicas-th sample: disjoint shares of the batch.
+    sampler = DistributedSampler(train_set, num_replicas=replicas, rank=replica,  # [04]
                                  seed=args.seed, drop_last=True)  # [04]
     # Whole batches, cut and augmented on `device` in a few tensor ops (docs/data-and-model.md).
     train_loader = data.BatchLoader(train_set, batch_size, sampler=sampler, drop_last=True,  # [04]
                                     device=device, num_workers=args.num_workers)
-    # A disjoint slice per rank: DistributedSampler would pad the slices, counting samples twice.
-    test_shard = Subset(test_set, range(rank, len(test_set), world_size))  # [04]
+    # A disjoint slice per replica: DistributedSampler would pad the slices, counting samples twice.
+    test_shard = Subset(test_set, range(replica, len(test_set), replicas))  # [04]
     # Every forward pass gathers each unit's weights from every rank, so every rank must run as many
     # test batches as the others: each slice is cut into the same number of batches.
-    test_batches = data.equal_batches(len(test_set), world_size, rank, batch_size)  # [07]
+    test_batches = data.equal_batches(len(test_set), replicas, replica, batch_size)  # [07]
     test_loader = data.BatchLoader(test_shard, batch_sampler=test_batches, device=device,  # [07]
                                    num_workers=args.num_workers)
     return train_set, sampler, train_loader, test_loader

@@ -55,17 +55,17 @@ def main():
     context = setup(args)
     preemption.connect()  # [04] its own gloo group: a network that gloo cannot use fails here
     train_set, sampler, train_loader, test_loader = build_data(context)
-    model, schedule = build_model(context)  # [08] this rank's stage, and the schedule that runs it
-    optimizer = torch.optim.SGD(model.submod.parameters(), lr=args.lr, momentum=0.9,  # [08]
-                                nesterov=True,  # [08]
+    stage, schedule = build_model(context)  # [08] this rank's stage, and the schedule that runs it
+    model = stage.submod  # [08] the stage's blocks
+    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9, nesterov=True,
                                 weight_decay=5e-4)
     total_steps = args.epochs * len(train_loader)
     scheduler = torch.optim.lr_scheduler.OneCycleLR(optimizer, args.lr, total_steps=total_steps)
     last_step = min(args.max_steps, total_steps) if args.max_steps else total_steps
-    state = utils.State(model, optimizer, scheduler, last_step)  # [08] bf16 or fp32: no scaler
+    state = utils.State(stage, optimizer, scheduler, last_step)  # [08] bf16 or fp32: no scaler
 
     # Started again (torchrun --max-restarts, a requeued Slurm job)? Rank 0 decides for all.
-    if distributed.should_resume(args.resume, f"{args.output_dir}/checkpoints/latest"):  # [08]
+    if distributed.should_resume(args.resume, args.output_dir, "checkpoints", "latest"):  # [08]
         load_checkpoint(context, state)
         if utils.finished(args.output_dir, state.step, last_step):  # run again after its end
             return
@@ -82,25 +82,25 @@ def main():
         record.stop_training(state.step)
         if preemption.stopped:  # [04] every rank stopped after this step, and it was saved
             raise utils.Preempted(preemption, state.step, args.output_dir)  # [04] exit status 75
-        test_loss, test_accuracy, test_samples = evaluate(context, model, test_loader,  # [08]
+        test_loss, test_accuracy, test_samples = evaluate(context, stage, test_loader,  # [08]
                                                           schedule)  # [08]
         record.end_epoch(epoch, state.step, train_loss, test_loss, test_accuracy, test_samples)
         if state.step >= last_step:
             break
 
+    metrics = record.metrics()  # wall_seconds ends here, before the final writes
     # The first replica's stages send rank 0 their parts, on the CPU (not on another rank's GPU),
     # with ResNet9's keys. A collective: every rank, outside the rank-0 branch. On gloo: under NCCL,
     # gather_object would pad every rank's pickle to the largest and gather them onto rank 0's GPU.
-    first_replica = context.mesh.get_local_rank("dp") == 0  # [08]
-    part = {key: value.cpu() for key, value in model.submod.state_dict().items()}  # [08]
-    part = part if first_replica else {}  # [08]
+    part = {key: value.cpu() for key, value in model.state_dict().items()  # [08]
+            if context.replica == 0}  # [08]
     parts = [None] * context.world_size if context.rank == 0 else None  # [08]
     gather_group = dist.new_group(backend="gloo", timeout=distributed.TIMEOUT)  # [08]
     dist.gather_object(part, parts, dst=0, group=gather_group)  # [08]
     # One writer, and no collective in here: the other ranks would never join it.
     if context.rank == 0:  # [04]
-        weights = {key: value for part in parts for key, value in part.items()}  # [08]
-        utils.write_outputs(args.output_dir, weights, record.metrics())  # [08]
+        weights = {key: value for stage_part in parts for key, value in stage_part.items()}  # [08]
+        utils.write_outputs(args.output_dir, weights, metrics)  # [08]
     dist.barrier()  # [04] leave together: a rank that leaves while rank 0 writes can abort it
     dist.destroy_process_group()  # [04]
 
@@ -123,14 +123,16 @@ def setup(args):
     if args.amp == "fp16":  # [08]
         raise utils.UsageError("--amp fp16: 08 has no loss scaling across pipeline stages; "  # [08]
                                "use --amp bf16")  # [08]
-    # --stages pipeline stages x replicas, checked, and said in one line.
+    # S stages x R replicas = the world size, with S at most ResNet-9's 5 blocks and, under 1F1B
+    # (whose steady state runs one micro-batch per stage), at most M micro-batches; each replica's
+    # share of the batch is cut into M micro-batches. Said in one line (common/distributed.py).
     stages, replicas = distributed.pipeline_layout(args, world_size)  # [08]
     # Before the process group, whose timeout a slow download would outlast.
     if not args.synthetic:
         data.download_cifar10(args.data_dir)
     # The process group connects the processes for collectives (broadcast, all-reduce...): NCCL
-    # between GPUs, gloo between CPUs. After the checks: a rank that stops while others connect
-    # breaks their connections, and they fail with tracebacks instead of its one error line.
+    # between GPUs, gloo between CPUs. After the checks of the flags: a rank that stops while others
+    # connect breaks their connections, and they fail with tracebacks instead of its one error line.
     backend = "nccl" if device.type == "cuda" else "gloo"  # [04]
     dist.init_process_group(backend, timeout=distributed.TIMEOUT,  # [04]
                             device_id=device if backend == "nccl" else None)  # [04] NCCL: its GPU
@@ -145,21 +147,20 @@ def build_data(context):
     args, device = context.args, context.device
     # Per replica: all its stages read the same batches (the first stage uses the images, the last
     # the labels).
-    replica, replicas = context.mesh.get_local_rank("dp"), context.mesh["dp"].size()  # [08]
-    batch_size = args.batch_size // replicas  # [08] every stage of a replica sees this batch
+    replica, replicas = context.replica, context.replicas  # [04]
+    batch_size = args.batch_size // replicas  # [04] this replica's share of each global batch
     train_set, test_set = data.load_cifar10(args.data_dir, args.synthetic, seed=args.seed)
     if args.batch_size > len(train_set):
         raise utils.UsageError(f"--batch-size {args.batch_size} is larger than the training set "
                                f"({len(train_set)})")
-    # Every replica shuffles alike and keeps every replicas-th sample: disjoint shares of 01's
-    # batch.
-    sampler = DistributedSampler(train_set, num_replicas=replicas, rank=replica,  # [08]
+    # Every replica shuffles alike and keeps every replicas-th sample: disjoint shares of the batch.
+    sampler = DistributedSampler(train_set, num_replicas=replicas, rank=replica,  # [04]
                                  seed=args.seed, drop_last=True)  # [04]
     # Whole batches, cut and augmented on `device` in a few tensor ops (docs/data-and-model.md).
     train_loader = data.BatchLoader(train_set, batch_size, sampler=sampler, drop_last=True,  # [04]
                                     device=device, num_workers=args.num_workers)
     # A disjoint slice per replica: DistributedSampler would pad the slices, counting samples twice.
-    test_shard = Subset(test_set, range(replica, len(test_set), replicas))  # [08]
+    test_shard = Subset(test_set, range(replica, len(test_set), replicas))  # [04]
     test_loader = data.BatchLoader(test_shard, batch_size, device=device,  # [04]
                                    num_workers=args.num_workers)
     return train_set, sampler, train_loader, test_loader
@@ -241,7 +242,7 @@ def train_one_epoch(context, state, loader, schedule, preemption):  # [08]
 @torch.no_grad()
 def evaluate(context, model, loader, schedule):  # [08]
     """Mean loss and accuracy over the whole test set; returns them and the number of samples."""
-    device, amp_dtype, stage = context.device, context.amp_dtype, model  # [08]
+    device, amp_dtype, stage = context.device, context.amp_dtype, model  # [08] the stage
     batch_size = context.args.batch_size // context.mesh["dp"].size()  # [08] the training batch's
     stage.submod.eval()  # [08]
     # The first replica's BatchNorm statistics in every replica, the ones that model.pt keeps.

@@ -73,7 +73,7 @@ def main():
     state = utils.State(model, optimizer, scheduler, last_step)  # [09] bf16 or fp32: no scaler
 
     # Started again (torchrun --max-restarts, a requeued Slurm job)? Rank 0 decides for all.
-    if distributed.should_resume(args.resume, f"{args.output_dir}/checkpoints/latest"):  # [07]
+    if distributed.should_resume(args.resume, args.output_dir, "checkpoints", "latest"):  # [07]
         load_checkpoint(context, state)
         if utils.finished(args.output_dir, state.step, last_step):  # run again after its end
             return
@@ -94,6 +94,7 @@ def main():
         if state.step >= last_step:
             break
 
+    metrics = record.metrics()  # wall_seconds ends here, before the final writes
     # Gathering the full weights is a collective: every rank takes part, rank 0 alone receives them
     # (the others get an empty dict), on the CPU, in fp32: model.pt in every step's format.
     # A weight split along both mesh dimensions is gathered in two steps, which torch warns about on
@@ -103,7 +104,7 @@ def main():
     weights = get_model_state_dict(model, options=options)  # [07]
     # One writer, and no collective in here: the other ranks would never join it.
     if context.rank == 0:  # [04]
-        utils.write_outputs(args.output_dir, weights, record.metrics())  # [07]
+        utils.write_outputs(args.output_dir, weights, metrics)  # [07]
     dist.barrier()  # [04] leave together: a rank that leaves while rank 0 writes can abort it
     dist.destroy_process_group()  # [04]
 
@@ -126,14 +127,15 @@ def setup(args):
     if args.amp == "fp16":  # [09]
         raise utils.UsageError("--amp fp16: 09 has no loss scaling across tensor-parallel "  # [09]
                                "ranks; use --amp bf16")  # [09]
-    # Groups of --tp-size ranks compute each layer; replicas of the group split the batch.
+    # Groups of T ranks compute each layer, each rank with whole attention heads (T divides them);
+    # world size / T replicas of the group split the batch (common/distributed.py).
     tp_size, replicas = distributed.tensor_parallel_layout(args, world_size)  # [09]
     # Before the process group, whose timeout a slow download would outlast.
     if not args.synthetic:
         data.download_cifar10(args.data_dir)
     # The process group connects the processes for collectives (broadcast, all-reduce...): NCCL
-    # between GPUs, gloo between CPUs. After the checks: a rank that stops while others connect
-    # breaks their connections, and they fail with tracebacks instead of its one error line.
+    # between GPUs, gloo between CPUs. After the checks of the flags: a rank that stops while others
+    # connect breaks their connections, and they fail with tracebacks instead of its one error line.
     backend = "nccl" if device.type == "cuda" else "gloo"  # [04]
     dist.init_process_group(backend, timeout=distributed.TIMEOUT,  # [04]
                             device_id=device if backend == "nccl" else None)  # [04] NCCL: its GPU
@@ -148,24 +150,23 @@ def build_data(context):
     """The training set, its sampler, and the training and test loaders."""
     args, device = context.args, context.device
     # Per replica: the ranks of a tensor-parallel group must compute on the same images.
-    replica, replicas = context.mesh.get_local_rank("dp"), context.mesh["dp"].size()  # [09]
-    batch_size = args.batch_size // replicas  # [09] every rank of a replica sees this batch
+    replica, replicas = context.replica, context.replicas  # [04]
+    batch_size = args.batch_size // replicas  # [04] this replica's share of each global batch
     train_set, test_set = data.load_cifar10(args.data_dir, args.synthetic, seed=args.seed)
     if args.batch_size > len(train_set):
         raise utils.UsageError(f"--batch-size {args.batch_size} is larger than the training set "
                                f"({len(train_set)})")
-    # Every replica shuffles alike and keeps every replicas-th sample: disjoint shares of 01's
-    # batch.
-    sampler = DistributedSampler(train_set, num_replicas=replicas, rank=replica,  # [09]
+    # Every replica shuffles alike and keeps every replicas-th sample: disjoint shares of the batch.
+    sampler = DistributedSampler(train_set, num_replicas=replicas, rank=replica,  # [04]
                                  seed=args.seed, drop_last=True)  # [04]
     # Whole batches, cut and augmented on `device` in a few tensor ops (docs/data-and-model.md).
     train_loader = data.BatchLoader(train_set, batch_size, sampler=sampler, drop_last=True,  # [04]
                                     device=device, num_workers=args.num_workers)
     # A disjoint slice per replica: DistributedSampler would pad the slices, counting samples twice.
-    test_shard = Subset(test_set, range(replica, len(test_set), replicas))  # [09]
+    test_shard = Subset(test_set, range(replica, len(test_set), replicas))  # [04]
     # Every forward pass gathers each unit's weights from every rank, so every rank must run as many
     # test batches as the others: each slice is cut into the same number of batches.
-    test_batches = data.equal_batches(len(test_set), replicas, replica, batch_size)  # [09]
+    test_batches = data.equal_batches(len(test_set), replicas, replica, batch_size)  # [07]
     test_loader = data.BatchLoader(test_shard, batch_sampler=test_batches, device=device,  # [07]
                                    num_workers=args.num_workers)
     return train_set, sampler, train_loader, test_loader

@@ -357,6 +357,17 @@ class Context:
     world_size: int = 1
     mesh: object = None  # a DeviceMesh (08, 09)
 
+    @property
+    def replicas(self):
+        """How many replicas of the model split each global batch: every process is one (04-07); on a mesh,
+        the size of its "dp" dimension (08's pipelines and 09's tensor-parallel groups are one each)."""
+        return self.mesh["dp"].size() if self.mesh is not None else self.world_size
+
+    @property
+    def replica(self):
+        """This process's replica, 0 to replicas - 1: the part of each global batch that it trains on."""
+        return self.mesh.get_local_rank("dp") if self.mesh is not None else self.rank
+
 
 @dataclasses.dataclass
 class State:

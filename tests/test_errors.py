@@ -58,6 +58,9 @@ def cases(tmp, port):
     return {
         "a global batch that the world size does not divide":
             (torchrun(3, "04_cifar10_ddp.py", *SYNTHETIC_ARGS, "--batch-size", 32, *out), {}, {}),
+        # Every rank finds it in build_data, after init_process_group: all leave with the one line.
+        "a global batch larger than the training set, found once the process group exists (04)":
+            (torchrun(2, "04_cifar10_ddp.py", *SYNTHETIC_ARGS, "--batch-size", 4800, *out), {}, {}),
         "a global batch that the world size times 05's `--gradient_accumulation_steps` does not divide":
             (torchrun(2, "05_cifar10_deepspeed.py", *SYNTHETIC_ARGS, "--gradient_accumulation_steps", 5, *out), {}, {}),
         "`--stages` that does not divide the world size (08)":
@@ -125,6 +128,7 @@ ROWS = bad_input_table()
 # job on a 2-core CPU; torchrun's busy port stops it before its workers start); the quick tier the rows of one.
 FULL_TIER_ROWS = {
     "a global batch that the world size does not divide",
+    "a global batch larger than the training set, found once the process group exists (04)",
     "a global batch that the world size times 05's `--gradient_accumulation_steps` does not divide",
     "`--stages` that does not divide the world size (08)",
     "more `--stages` than ResNet-9's 5 blocks (08)",
