@@ -134,9 +134,8 @@ def setup(args):
     config.update(train_batch_size=args.batch_size,  # [05]
                   train_micro_batch_size_per_gpu=micro_batch,  # [05]
                   gradient_accumulation_steps=accumulation)  # [05]
-    # torch.autocast, not DeepSpeed's "bf16" and "fp16", which cast the parameters (BatchNorm's too)
-    # to 16 bits. The engine runs its forward pass in the config's autocast, and would turn ours
-    # off.
+    # torch.autocast, not DeepSpeed's "bf16" and "fp16", which cast every parameter (BatchNorm's
+    # too) to 16 bits. The engine runs its forward in the config's autocast, else it turns ours off.
     if args.amp != "none":  # [05]
         config["torch_autocast"] = {"enabled": True, "dtype": args.amp}  # [05] fp16: a GradScaler
     if args.zero_stage is not None:  # [05]
@@ -250,9 +249,8 @@ def evaluate(context, model, loader):
 def save_checkpoint(context, state):
     """Everything a resumed run needs to continue as if it had never stopped."""
     # Every rank must call this: each writes its own shard of the optimizer state (under ZeRO-3 also
-    # of the weights), with barriers inside. Called by rank 0 alone, it would hang; shards would be
-    # lost. The engine saves the weights, optimizer, schedule and loss scale; the client state is
-    # the rest.
+    # of the weights), with barriers inside; rank 0 alone would hang. The engine saves the weights,
+    # optimizer, schedule and loss scale; the client state is the rest.
     args, directory = context.args, os.path.join(context.args.output_dir, "checkpoints")  # [05]
     tag = f"step{state.step}"  # [05]
     state.model.save_checkpoint(directory, tag=tag, save_latest=False, client_state={  # [05]
@@ -265,9 +263,8 @@ def save_checkpoint(context, state):
         "width": args.width,
     })  # [05]
     # `latest` names the checkpoint to resume from. DeepSpeed's own is written by rank 0 before the
-    # other ranks have finished their shards, and not atomically: this one is written after
-    # save_checkpoint's final barrier, atomically, so a crash mid-save leaves it naming the
-    # previous.
+    # other ranks have finished their shards, and not atomically: this one comes after the final
+    # barrier, atomically, so a crash mid-save leaves it naming the previous checkpoint.
     if context.rank == 0:  # [05]
         utils.write_text(tag, os.path.join(directory, "latest"))  # [05]
         utils.remove_other_checkpoints(directory, keep=tag)  # [05]

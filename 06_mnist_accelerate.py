@@ -27,8 +27,7 @@ from common import data, distributed, flags, models, utils  # [04]
 def parse_args():
     parser = flags.build_parser(__file__, __doc__, epochs=10, batch_size=256, lr=0.2)
     flags.add_dropout_argument(parser)  # [06]
-    # The launcher's, unless given.
-    flags.add_amp_argument(parser, default=flags.accelerate_launch_amp(),  # [06]
+    flags.add_amp_argument(parser, default=flags.accelerate_launch_amp(),  # [06] the launcher's
                            fp16_cpu_refusal="Accelerate scales fp16 losses on GPUs only")  # [06]
     return parser.parse_args()
 
@@ -83,8 +82,7 @@ def main():
     if context.rank == 0:  # [04]
         weights = accelerator.unwrap_model(model).state_dict()  # [06]
         utils.write_outputs(args.output_dir, weights, metrics)  # [06]
-    # Leave together: a rank that leaves while rank 0 writes can abort it.
-    accelerator.wait_for_everyone()  # [06]
+    accelerator.wait_for_everyone()  # [06] leave together, as in 04
     accelerator.end_training()  # [06] destroys the process group
 
 
@@ -156,8 +154,7 @@ def train_one_epoch(context, state, loader, accelerator, preemption):  # [06]
     progress = tqdm(itertools.islice(batches, end - done), total=end - done,  # [06]
                     desc=f"epoch {state.epoch + 1}", leave=False, disable=context.rank != 0)  # [04]
     for images, labels in progress:
-        # On the device; autocast is in the model.
-        loss = F.cross_entropy(model(images), labels)  # [06]
+        loss = F.cross_entropy(model(images), labels)  # [06] autocast is in the model
         state.optimizer.zero_grad(set_to_none=True)
         accelerator.backward(loss)  # [06] instead of loss.backward(): scales the loss for fp16
         # The wrapped optimizer unscales, and skips the step if fp16 gradients overflowed.
@@ -200,8 +197,7 @@ def evaluate(context, model, loader, accelerator):  # [06]
 
 def save_checkpoint(context, state, accelerator):  # [06]
     """Everything a resumed run needs to continue as if it had never stopped."""
-    # On every process: the main one writes the model, optimizer and schedule; each its random
-    # state.
+    # Every process: the main one writes model, optimizer and schedule; each its random state.
     args, directory = context.args, os.path.join(context.args.output_dir, "checkpoints")  # [06]
     accelerator.save_state(os.path.join(directory, f"step{state.step}"))  # [06]
     accelerator.wait_for_everyone()  # [06] every file complete before checkpoint.pt names it

@@ -1,12 +1,11 @@
 """Step 07: the same processes, with PyTorch's own sharding: FSDP2 (`fully_shard`).
 
-New (relative to step 04; lines marked `# [07]`): instead of a whole replica per rank, each rank
-keeps 1/N of every weight, gradient and optimizer state. `fully_shard` makes each residual block,
-each BatchNorm layer and the root a unit, gathered just before it runs and freed after (the root's:
-after backward); the gradients are reduce-scattered, so each rank updates only its shard.
-Checkpoints are sharded too (torch.distributed.checkpoint): every rank writes and reads its own
-shard, and they load at any world size. `--amp` is FSDP's mixed-precision policy instead of
-autocast. Without GPUs: gloo on the CPU.
+New (relative to step 04; lines marked `# [07]`), two ideas that come together: sharding, and the
+sharded checkpoints it needs. Each rank keeps 1/N of every weight, gradient and optimizer state:
+`fully_shard` makes each residual block, each BatchNorm layer and the root a unit, gathered just
+before it runs and freed after; the gradients are reduce-scattered, so each rank updates its shard.
+Every rank writes and reads its own shard of a checkpoint (torch.distributed.checkpoint), at any
+world size. `--amp` is FSDP's mixed-precision policy instead of autocast. Without GPUs: gloo.
 
 Launch:
     torchrun --nproc_per_node=N 07_cifar10_fsdp.py --amp bf16                           # N GPUs
@@ -155,17 +154,14 @@ def build_model(context):
     # (to_empty, below), so a model larger than one GPU fits.
     with torch.device("meta"):  # [07]
         model = models.build(context.args)  # [07]
-    # Each residual block and BatchNorm layer, then the root (the rest), becomes one unit: each rank
-    # keeps a shard of its weights; its full weights are gathered just before the unit's forward and
-    # freed after, then gathered again for its backward (not the root's: it keeps them from forward
-    # to backward). The gradients are reduce-scattered: each rank gets the averaged gradient of its
-    # own shard, and its optimizer updates only that. --amp: the gathered copies are cast to 16
-    # bits; the gradients are reduced, and the shards kept, in fp32.
+    # Each residual block and BatchNorm layer, then the root, becomes a unit: each rank keeps a
+    # shard of its weights, gathered whole just before the unit's forward and backward and freed
+    # after (the root keeps them from forward to backward). Gradients are reduce-scattered: each
+    # rank averages and updates its own shard. --amp: 16-bit gathered copies, fp32 shards.
     amp_dtype = context.amp_dtype  # [07]
     policy = MixedPrecisionPolicy(param_dtype=amp_dtype,  # [07]
                                   reduce_dtype=torch.float32 if amp_dtype else None)  # [07]
-    # Inner units first: an outer takes the rest.
-    for module in reversed(list(model.modules())):  # [07]
+    for module in reversed(list(model.modules())):  # [07] inner units first, the root last
         if isinstance(module, torch.nn.BatchNorm2d):  # [07] fp32 statistics need fp32 weights
             fully_shard(module)  # [07]
         elif isinstance(module, models.Residual):  # [07]
@@ -241,11 +237,9 @@ def save_checkpoint(context, state):
     """Everything a resumed run needs to continue as if it had never stopped."""
     args, directory = context.args, os.path.join(context.args.output_dir, "checkpoints")  # [07]
     path = os.path.join(directory, f"step{state.step}")  # [07]
-    # A tensor that is not sharded is written once, from any rank: make the buffers rank 0's
-    # everywhere.
+    # A tensor not sharded is written once, from any rank: make the buffers rank 0's everywhere.
     distributed.broadcast_buffers(state.model)  # [07]
-    # The weights and the optimizer state stay sharded: every rank writes its own shards, in
-    # parallel.
+    # The weights and the optimizer state stay sharded: every rank writes its own, in parallel.
     model_state, optimizer_state = get_state_dict(state.model, state.optimizer)  # [07] this rank's
     dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=path)  # [07]
     if context.rank != 0:  # [07] the rest is the same on every rank: one writer
@@ -261,8 +255,7 @@ def save_checkpoint(context, state):
         "seed": args.seed,
         "width": args.width,
     }, os.path.join(path, "train_state.pt"))  # [07]
-    # `latest` last, atomically: a crash mid-save leaves it naming the previous, complete
-    # checkpoint.
+    # `latest` last, atomically: a crash mid-save leaves it naming the previous checkpoint.
     utils.write_text(f"step{state.step}", os.path.join(directory, "latest"))  # [07]
     utils.remove_other_checkpoints(directory, keep=f"step{state.step}")  # [07]
 

@@ -136,8 +136,7 @@ def setup(args):
     backend = "nccl" if device.type == "cuda" else "gloo"  # [04]
     dist.init_process_group(backend, timeout=distributed.TIMEOUT,  # [04]
                             device_id=device if backend == "nccl" else None)  # [04] NCCL: its GPU
-    # rank = stage x replicas + replica: a stage's replicas are neighbours, its all-reduce on a
-    # machine.
+    # rank = stage x replicas + replica: a stage's replicas are neighbours, on one machine.
     mesh = init_device_mesh(device.type, (stages, replicas), mesh_dim_names=("pp", "dp"))  # [08]
     return utils.Context(args, device, flags.AMP_DTYPES[args.amp], rank, world_size, mesh)  # [08]
 
@@ -145,8 +144,7 @@ def setup(args):
 def build_data(context):
     """The training set, its sampler, and the training and test loaders."""
     args, device = context.args, context.device
-    # Per replica: all its stages read the same batches (the first stage uses the images, the last
-    # the labels).
+    # Per replica: all its stages read the same batches (the first the images, the last the labels).
     replica, replicas = context.replica, context.replicas  # [04]
     batch_size = args.batch_size // replicas  # [04] this replica's share of each global batch
     train_set, test_set = data.load_cifar10(args.data_dir, args.synthetic, seed=args.seed)
@@ -170,12 +168,10 @@ def build_model(context):
     """This rank's pipeline stage of the model (common/models.py), and the schedule that runs it."""
     args, mesh = context.args, context.mesh  # [08]
     stage_index, stages = mesh.get_local_rank("pp"), mesh["pp"].size()  # [08]
-    # Every rank builds the whole model from one seed and keeps its stage's blocks: one process's
-    # initial weights.
+    # Every rank builds the whole model from one seed and keeps its stage's blocks: 01's weights.
     model = models.pipeline_stage(models.build(args), stage_index, stages)  # [08]
     model = model.to(context.device)  # [08]
-    # Sends its outputs to the next stage's rank and receives its inputs, in the first micro-batch's
-    # shapes.
+    # Sends its outputs to the next stage, receives its inputs, in the first micro-batch's shapes.
     stage = PipelineStage(model, stage_index, stages, context.device,  # [08]
                           group=mesh["pp"].get_group())  # [08]
     # Each micro-batch's loss is its mean, and the stages add up the micro-batches' gradients: the
@@ -201,12 +197,10 @@ def train_one_epoch(context, state, loader, schedule, preemption):  # [08]
         state.optimizer.zero_grad(set_to_none=True)  # [08]
         losses = []  # [08] the last stage's: one loss per micro-batch
         with torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None):  # [02]
-            # Every micro-batch's forward and backward, in the schedule's order; the last stage
-            # computes the losses.
+            # Every micro-batch's forward and backward, in the schedule's order; losses on the last.
             schedule.step(*[images] if stage.is_first else [], target=labels, losses=losses)  # [08]
         # The replicas average their gradients, as DDP does (DDP cannot wrap a stage:
-        # docs/pipeline-parallel.md), all in one all-reduce: one collective per step, not per
-        # parameter.
+        # docs/pipeline-parallel.md), in one all-reduce: one collective per step, not per tensor.
         gradients = [parameter.grad for parameter in stage.submod.parameters()]  # [08]
         flat = torch.cat([gradient.flatten() for gradient in gradients])  # [08]
         dist.all_reduce(flat, group=mesh["dp"].get_group())  # [08]
@@ -217,8 +211,7 @@ def train_one_epoch(context, state, loader, schedule, preemption):  # [08]
         state.optimizer.step()  # [08]
         state.scheduler.step()
         state.step += 1
-        # Only the last stage has a loss; the others add zeros, which the sum over all ranks leaves
-        # out.
+        # Only the last stage has a loss; the others add zeros, which the sum over ranks leaves out.
         no_loss = torch.zeros((), device=device)  # [08]
         loss = torch.stack(losses).mean() if stage.is_last else no_loss  # [08]
         loss_sum += loss.detach()
@@ -250,15 +243,13 @@ def evaluate(context, model, loader, schedule):  # [08]
     # The loss sum, the correct predictions, the samples.
     totals = torch.zeros(3, dtype=torch.float64, device=device)
     for images, labels in loader:
-        # Every batch keeps the first one's shape (inferred once per evaluation): pad a smaller last
-        # one with zeros.
+        # Every batch keeps the first one's shape (inferred once per evaluation): pad the last one.
         count = len(labels)  # [08]
         padding = images.new_zeros(batch_size - count, *images.shape[1:])  # [08]
         images = torch.cat([images, padding])  # [08]
         padded_labels = torch.cat([labels, labels.new_zeros(batch_size - count)])  # [08]
         with torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None):  # [02]
-            # Forward passes only. The last stage gets the logits of the whole batch, the others
-            # None.
+            # Forward passes only. The last stage gets the whole batch's logits, the others None.
             logits = schedule.eval(*[images] if stage.is_first else [],  # [08]
                                    target=padded_labels)  # [08]
             # Test-time augmentation (models.predict): mirrored images too.
@@ -285,8 +276,7 @@ def save_checkpoint(context, state):
     """Everything a resumed run needs to continue as if it had never stopped."""
     args, directory = context.args, os.path.join(context.args.output_dir, "checkpoints")  # [08]
     model, path = state.model.submod, os.path.join(directory, f"step{state.step}")  # [08]
-    # What the replicas hold alike is written once, from any: make BatchNorm's statistics the first
-    # replica's.
+    # What the replicas hold alike is written once, from any: BatchNorm's statistics, the first's.
     distributed.broadcast_buffers(model, group=context.mesh["dp"].get_group())  # [08]
     model_state, optimizer_state = get_state_dict(model, state.optimizer,  # [08]
                                                   options=CHECKPOINT_OPTIONS)  # [08]
@@ -303,8 +293,7 @@ def save_checkpoint(context, state):
         "seed": args.seed,
         "width": args.width,
     }, os.path.join(path, "train_state.pt"))  # [08]
-    # `latest` last, atomically: a crash mid-save leaves it naming the previous, complete
-    # checkpoint.
+    # `latest` last, atomically: a crash mid-save leaves it naming the previous checkpoint.
     utils.write_text(f"step{state.step}", os.path.join(directory, "latest"))  # [08]
     utils.remove_other_checkpoints(directory, keep=f"step{state.step}")  # [08]
 

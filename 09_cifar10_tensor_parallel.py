@@ -97,8 +97,7 @@ def main():
     metrics = record.metrics()  # wall_seconds ends here, before the final writes
     # Gathering the full weights is a collective: every rank takes part, rank 0 alone receives them
     # (the others get an empty dict), on the CPU, in fp32: model.pt in every step's format.
-    # A weight split along both mesh dimensions is gathered in two steps, which torch warns about on
-    # every rank.
+    # A weight split along both mesh dimensions is gathered in two steps: torch warns on every rank.
     logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)  # [09]
     options = StateDictOptions(full_state_dict=True, cpu_offload=True)  # [07]
     weights = get_model_state_dict(model, options=options)  # [07]
@@ -140,8 +139,7 @@ def setup(args):
     dist.init_process_group(backend, timeout=distributed.TIMEOUT,  # [04]
                             device_id=device if backend == "nccl" else None)  # [04] NCCL: its GPU
     # rank = replica x tp_size + tp rank: a group's ranks are neighbours, on one machine, since
-    # every layer communicates within the group; FSDP2's few collectives per unit and step cross
-    # machines.
+    # every layer communicates within the group; only FSDP2's few collectives cross machines.
     mesh = init_device_mesh(device.type, (replicas, tp_size), mesh_dim_names=("dp", "tp"))  # [09]
     return utils.Context(args, device, flags.AMP_DTYPES[args.amp], rank, world_size, mesh)  # [09]
 
@@ -243,7 +241,7 @@ def train_one_epoch(context, state, loader, preemption):  # [04]
                     desc=f"epoch {state.epoch + 1}", leave=False, disable=context.rank != 0)  # [04]
     for images, labels in progress:
         # Dropout masks from (seed, step, rank) alone: each rank's tokens get their own, and a
-        # resumed run the same.
+        # resumed run the uninterrupted run's.
         torch.manual_seed(hash((args.seed, state.step, context.rank)))  # [09]
         # The logits stay split by class across the group: the softmax's maximum and sum, and the
         # target's log-probability, are all-reduced; the logits are never gathered. The backward
@@ -284,7 +282,7 @@ def evaluate(context, model, loader):
     # The loss sum, the correct predictions, the samples.
     totals = torch.zeros(3, dtype=torch.float64, device=device)
     for images, labels in loader:
-        # All classes.
+        # full_tensor(): the group's classes, gathered.
         logits = models.predict(model, images, flip=context.args.tta).full_tensor()  # [09]
         totals[0] += F.cross_entropy(logits.float(), labels, reduction="sum")
         totals[1] += (logits.argmax(dim=1) == labels).sum()
