@@ -86,7 +86,7 @@ def cases(tmp, port):
         "an unknown `--amp`": (python("02_cifar10_gpu.py", *SYNTHETIC_ARGS, "--amp", "fp8", *out), {}, {}),
         "`--amp` given to step 01, which trains in fp32":
             (python("01_cifar10_cpu.py", *SYNTHETIC_ARGS, "--amp", "bf16", *out), {}, {}),
-        "`--amp fp16` without a GPU, in 05 (tested on GPUs only)":
+        "`--amp fp16` without a GPU, in 05 (05 runs DeepSpeed's fp16 on GPUs only)":
             (python("05_cifar10_deepspeed.py", *SYNTHETIC_ARGS, "--amp", "fp16", *out), {}, {}),
         "`--amp fp16` without a GPU, in 06 (Accelerate has no fp16 on the CPU)":
             (python("06_mnist_accelerate.py", *SYNTHETIC_ARGS, "--amp", "fp16", *out), {}, {}),
