@@ -48,10 +48,10 @@ RESTART_COUNTS = ("TORCHELASTIC_RESTART_COUNT", "SLURM_RESTART_COUNT")
 
 def should_resume(resume, *path):
     """Whether to load the checkpoint at `path` (a file, its parts joined): --resume, or a job started again
-    that finds one. Decided by what
-    rank 0 sees, the same on every rank: if a rank that must load it cannot see it (no file system shared by
-    the machines, or one that lags), every rank stops with one error, instead of that rank starting at step 0
-    while the others resume (their collectives would mis-pair). Every rank must call it."""
+    that finds one. Decided by what rank 0 sees, the same on every rank: if a rank that must load it cannot
+    see it (no file system shared by the machines, or one that lags), every rank stops with one error,
+    instead of that rank starting at step 0 while the others resume (their collectives would mis-pair).
+    Every rank must call it."""
     checkpoint = os.path.join(*path)
     restarted = any(int(os.environ.get(name, "0")) > 0 for name in RESTART_COUNTS)
     seen = [os.path.isfile(checkpoint)]
