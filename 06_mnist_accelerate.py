@@ -127,12 +127,12 @@ def build_data(context):
     sampler = DistributedSampler(train_set, num_replicas=1, rank=0, seed=args.seed)  # [06]
     # A torch DataLoader, which `prepare` can shard. Its own generator: otherwise each epoch's
     # iterator draws a seed from the global RNG, and a resumed run's random numbers would differ.
+    # Its workers start from a forkserver, not as forks of this threaded process (common/data.py).
+    workers = dict(data.worker_options(args.num_workers), pin_memory=device.type == "cuda")  # [06]
     train_loader = DataLoader(train_set, batch_size=args.batch_size, sampler=sampler,  # [06]
                               generator=torch.Generator().manual_seed(args.seed),  # [06]
-                              drop_last=True, num_workers=args.num_workers,  # [06]
-                              pin_memory=device.type == "cuda")  # [06]
-    test_loader = DataLoader(test_set, batch_size=args.batch_size,  # [06] `prepare` shards it
-                             num_workers=args.num_workers, pin_memory=device.type == "cuda")  # [06]
+                              drop_last=True, **workers)  # [06]
+    test_loader = DataLoader(test_set, batch_size=args.batch_size, **workers)  # [06] `prepare` shards it
     return train_set, sampler, train_loader, test_loader
 
 

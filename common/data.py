@@ -14,8 +14,10 @@ import contextlib
 import fcntl
 import itertools
 import math
+import multiprocessing
 import os
 import socket
+import threading
 import time
 from pathlib import Path
 
@@ -35,6 +37,48 @@ SYNTHETIC_TRAIN_SIZE = 2400
 SYNTHETIC_TEST_SIZE = 1001
 
 _CROP_PADDING = 4
+
+# How data-loader workers start: from a "forkserver", a process without threads that has imported torch
+# and this module (Python 3.14's default start method on Linux). A fork of the trainer itself, the
+# default before 3.14, copies the locks of the trainer's other threads (gloo's, PyTorch's) as they are at
+# that instant: one held then is never released in the worker, which hangs before its first batch. Each
+# worker still imports the script that runs (Python's rule for this start method) and receives the data
+# set through shared memory: /dev/shm must hold it (docs/data-and-model.md).
+WORKER_CONTEXT = multiprocessing.get_context("forkserver")
+WORKER_CONTEXT.set_forkserver_preload([__name__])
+
+
+class EndWithTrainer:
+    """A loader's `worker_init_fn` for workers started by WORKER_CONTEXT: each ends as soon as the process
+    that created this object ends. PyTorch's workers watch their parent, which is the forkserver here, and
+    the forkserver waits for its workers: after a trainer that never closed its loaders (a failed run that
+    ends with `os._exit`, a SIGKILL), both would run forever. The trainer alone holds the write end of a
+    pipe, which the system closes when it ends, however it ends; a thread in each worker waits for that."""
+
+    _pipes = {}  # {the trainer's pid: (read end, write end)}, one pipe per trainer
+
+    def __init__(self):
+        if os.getpid() not in EndWithTrainer._pipes:
+            EndWithTrainer._pipes = {os.getpid(): WORKER_CONTEXT.Pipe(duplex=False)}
+        self.trainer_alive = EndWithTrainer._pipes[os.getpid()][0]
+
+    def __call__(self, worker_id):
+        threading.Thread(target=self._end_with_trainer, name="end with trainer", daemon=True).start()
+
+    def _end_with_trainer(self):
+        with contextlib.suppress(EOFError):
+            self.trainer_alive.recv_bytes()  # nothing is ever sent: this returns when the trainer ends
+        os._exit(0)
+
+
+def worker_options(num_workers):
+    """A `DataLoader`'s arguments for `num_workers` worker processes that start once, from WORKER_CONTEXT,
+    serve every epoch (`persistent_workers`: a started worker imports the running script again) and end
+    with their trainer."""
+    if not num_workers:
+        return {"num_workers": 0}
+    return {"num_workers": num_workers, "multiprocessing_context": WORKER_CONTEXT, "persistent_workers": True,
+            "worker_init_fn": EndWithTrainer()}
 
 
 class ImageDataset(Dataset):
@@ -132,7 +176,7 @@ class BatchLoader:
     On a GPU the next batch is copied on a stream of its own while the current one trains."""
 
     def __init__(self, dataset, batch_size=None, sampler=None, batch_sampler=None, drop_last=False,
-                 device="cpu", num_workers=0, persistent_workers=False):
+                 device="cpu", num_workers=0):
         self.images = dataset.dataset if isinstance(dataset, Subset) else dataset  # its `prepare`
         self.device = device = torch.device(device)
         if batch_sampler is None:
@@ -140,10 +184,10 @@ class BatchLoader:
         self.batch_range = _BatchRange(batch_sampler)
         # batch_size=None: the loader hands each list of indices to the data set whole. Its own generator:
         # otherwise every epoch's iterator draws a seed from the global RNG, and a resumed run's random
-        # numbers would no longer match an uninterrupted run's. persistent_workers=True keeps the workers
-        # from epoch to epoch (the data set's draws are in shared memory, so they see each epoch's).
-        self.loader = DataLoader(dataset, batch_size=None, sampler=self.batch_range, num_workers=num_workers,
-                                 persistent_workers=persistent_workers, pin_memory=device.type == "cuda",
+        # numbers would no longer match an uninterrupted run's. The workers serve every epoch: the data
+        # set's draws are in shared memory, so they see each epoch's.
+        self.loader = DataLoader(dataset, batch_size=None, sampler=self.batch_range,
+                                 **worker_options(num_workers), pin_memory=device.type == "cuda",
                                  generator=torch.Generator().manual_seed(0))
 
     def __len__(self):

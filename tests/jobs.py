@@ -111,11 +111,11 @@ def workers(process):
 
 
 def loader_workers(pid):
-    """The pids of process `pid`'s data-loader workers that have started: PyTorch names a worker
-    `pt_data_worker` once it has set its own signal handlers, which end it on SIGTERM unless the signal is
-    blocked (before that, a forked worker still has its trainer's handler)."""
+    """The pids of process `pid`'s data-loader workers that have started (children of its forkserver,
+    common/data.py): PyTorch names a worker `pt_data_worker` once it has set its own signal handlers, which
+    end it on SIGTERM unless the signal is blocked."""
     found = []
-    for child in _children().get(pid, []):
+    for child in _descendants(pid):
         try:
             if Path(f"/proc/{child}/comm").read_text().strip() == "pt_data_worker":
                 found.append(child)

@@ -298,11 +298,12 @@ def test_a_resumed_epoch_skips_batches_without_loading_them(synthetic):
 
 
 def test_persistent_workers_see_each_epochs_augmentation(synthetic):
-    """With persistent_workers=True, BatchLoader keeps its worker processes from epoch to epoch: the draws of
-    `set_epoch` must reach them (a copy of the draws made when they started would repeat epoch 0's)."""
+    """BatchLoader keeps its worker processes from epoch to epoch: the draws of `set_epoch` must reach them (a
+    copy of the draws made when they started would repeat epoch 0's). Each epoch stops after 3 batches, as a
+    run that resumes or stops mid-epoch does."""
     train_set, _ = synthetic
     sampler = DistributedSampler(train_set, num_replicas=1, rank=0, seed=1)
-    persistent = data.BatchLoader(train_set, 64, sampler=sampler, num_workers=2, persistent_workers=True)
+    persistent = data.BatchLoader(train_set, 64, sampler=sampler, num_workers=2)
     epochs = []
     try:
         for epoch in range(2):
@@ -415,14 +416,15 @@ def test_the_default_learning_rate_follows_the_global_batch(argv, lr):
 
 
 # Started after `Preemption`, a loader's worker process reports its blocked signals from /proc (SigBlk); a sample
-# that raises ends the run through utils.run, which must not wait for the workers (they ignore SIGTERM).
+# that raises ends the run through utils.run, which must not wait for the workers (they ignore SIGTERM), and the
+# workers end with it (the test waits for every process that holds its output).
 LOADER_WORKER_SIGNALS = """
 import sys
 
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from common import distributed, utils
+from common import data, distributed, utils
 
 
 class BlockedSignals(Dataset):
@@ -438,7 +440,8 @@ class BlockedSignals(Dataset):
 
 def main():
     distributed.Preemption()
-    for batch in DataLoader(BlockedSignals(), batch_size=2, num_workers=2, multiprocessing_context=sys.argv[1]):
+    for batch in DataLoader(BlockedSignals(), batch_size=2, num_workers=2, multiprocessing_context=sys.argv[1],
+                            worker_init_fn=data.EndWithTrainer()):
         print(batch.tolist())
 
 
@@ -448,10 +451,10 @@ if __name__ == "__main__":
 
 
 @pytest.mark.full
-@pytest.mark.parametrize("start_method", ["fork", "spawn"])
+@pytest.mark.parametrize("start_method", ["fork", "forkserver", "spawn"])
 def test_forked_or_spawned_loader_workers_never_act_on_the_stop_signals(start_method, tmp_path):
     """SIGTERM and SIGUSR1 are blocked in the loader's workers from their start, whether they are forked (Linux's
-    default up to Python 3.13) or spawned. A run whose data set fails ends with the error, exit status 1, and
+    default up to Python 3.13), started by a forkserver (the steps', and 3.14's default) or spawned. A run whose data set fails ends with the error, exit status 1, and
     does not wait for its workers."""
     script = tmp_path / "loader_worker_signals.py"
     script.write_text(LOADER_WORKER_SIGNALS)
@@ -460,6 +463,53 @@ def test_forked_or_spawned_loader_workers_never_act_on_the_stop_signals(start_me
     assert result.returncode == 0 and result.stdout.split("\n")[:2] == ["[[1, 1], [1, 1]]"] * 2, result.stderr
     failed = run_job(python(script, start_method, "fail"), env=env, timeout=60)
     assert failed.returncode == 1 and "ValueError: a broken sample" in failed.stderr, failed.stderr[-3000:]
+
+
+# A data set that takes a lock, which another thread of the trainer holds while the loader runs. A worker forked from
+# the trainer starts with the lock held and no thread to release it, as with the locks of gloo's and PyTorch's
+# threads (common/data.py); a worker started by the forkserver imports this script afresh, with a lock of its own.
+LOCK_HELD_BY_ANOTHER_THREAD = """
+import threading
+
+import torch
+
+from common import data
+
+LOCK = threading.Lock()
+
+
+class NeedsTheLock(data.ImageDataset):
+    def __getitem__(self, indices):
+        with LOCK:
+            return super().__getitem__(indices)
+
+
+def hold(held):
+    with LOCK:
+        held.set()
+        threading.Event().wait()
+
+
+def main():
+    images, labels, _, _ = data.make_synthetic(data.CIFAR10_SHAPE, 1000, 10)
+    dataset = NeedsTheLock(images, labels, torch.zeros(3), torch.ones(3))
+    held = threading.Event()
+    threading.Thread(target=hold, args=(held,), daemon=True).start()
+    held.wait()
+    print(sum(len(labels) for _, labels in data.BatchLoader(dataset, 100, num_workers=2)))
+
+
+if __name__ == "__main__":
+    main()
+"""
+
+
+def test_loader_workers_never_inherit_a_lock_that_another_thread_holds(tmp_path):
+    """BatchLoader's workers are not forks of the trainer, whose other threads may hold a lock at that instant."""
+    script = tmp_path / "lock_held_by_another_thread.py"
+    script.write_text(LOCK_HELD_BY_ANOTHER_THREAD)
+    result = run_job(python(script), env={"PYTHONPATH": str(ROOT)}, timeout=60)
+    assert result.returncode == 0 and result.stdout == "1000\n", result.stderr[-3000:]
 
 
 # A process that is not the first of its machine finds bad input, without torchrun: it prints nothing and waits
