@@ -454,8 +454,8 @@ if __name__ == "__main__":
 @pytest.mark.parametrize("start_method", ["fork", "forkserver", "spawn"])
 def test_forked_or_spawned_loader_workers_never_act_on_the_stop_signals(start_method, tmp_path):
     """SIGTERM and SIGUSR1 are blocked in the loader's workers from their start, whether they are forked (Linux's
-    default up to Python 3.13), started by a forkserver (the steps', and 3.14's default) or spawned. A run whose data set fails ends with the error, exit status 1, and
-    does not wait for its workers."""
+    default up to Python 3.13), started by a forkserver (the steps', and 3.14's default) or spawned. A run whose
+    data set fails ends with the error, exit status 1, and does not wait for its workers, which end with it."""
     script = tmp_path / "loader_worker_signals.py"
     script.write_text(LOADER_WORKER_SIGNALS)
     env = {"PYTHONPATH": str(ROOT)}
