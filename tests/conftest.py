@@ -49,10 +49,6 @@ class SharedFixtureScheduling(LoadScopeScheduling):
 
     def _split_scope(self, nodeid):
         module = nodeid.split("::", 1)[0]
-        if "test_the_readme_command" in nodeid and "[05_" in nodeid:
-            # Under its launcher, a DeepSpeed rank waits for its peer by spinning on a core (the shared-memory
-            # all-reduce): beside the parity rows of 05, each took 3 to 5 times as long. One worker runs them.
-            return "tests/test_parity.py"
         return module if Path(module).stem in SHARED_FIXTURES else nodeid
 
 
