@@ -132,7 +132,7 @@ def build_data(context):
     train_loader = DataLoader(train_set, batch_size=args.batch_size, sampler=sampler,  # [06]
                               generator=torch.Generator().manual_seed(args.seed),  # [06]
                               drop_last=True, **workers)  # [06]
-    test_loader = DataLoader(test_set, batch_size=args.batch_size, **workers)  # [06] `prepare` splits
+    test_loader = DataLoader(test_set, batch_size=args.batch_size, **workers)  # [06] sharded too
     return train_set, sampler, train_loader, test_loader
 
 
