@@ -1,8 +1,6 @@
 """Running a step as a user runs it, as a subprocess under a hard timeout, and the arguments of the
 tests' short runs."""
 
-import contextlib
-import fcntl
 import os
 import signal
 import subprocess
@@ -148,20 +146,6 @@ def processes_per_machine(command):
     return 1
 
 
-# Every job holds this file's lock, shared; a job under the deepspeed launcher holds it alone. Its ranks wait for each
-# other by spinning on a core (DeepSpeed's shared-memory all-reduce on a CPU): beside another job on the 2 cores,
-# both took 3 to 10 times as long, and a 180-second job was killed. One file per test session (xdist's workers).
-JOBS_LOCK = Path(tempfile.gettempdir()) / f"tutorial-jobs-{os.environ.get('PYTEST_XDIST_TESTRUNUID', os.getpid())}.lock"
-
-
-@contextlib.contextmanager
-def _machine_for(commands):
-    alone = any(Path(str(command[0])).name == "deepspeed" for command in commands)
-    with open(JOBS_LOCK, "a") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX if alone else fcntl.LOCK_SH)
-        yield
-
-
 def run_job(command, timeout=180, env=None, poll=None, more_processes_than_gpus=False, cwd=ROOT):
     """Run `command` in `cwd` (the repository root); a job that outlasts `timeout` is killed, with every
     process below it, and fails the test.
@@ -172,23 +156,22 @@ def run_job(command, timeout=180, env=None, poll=None, more_processes_than_gpus=
     if ON_GPU and not more_processes_than_gpus and processes_per_machine(command) > torch.cuda.device_count():
         pytest.skip(f"{processes_per_machine(command)} processes need as many GPUs; "
                     f"this machine has {torch.cuda.device_count()}")
-    with _machine_for([command]):
-        process = subprocess.Popen(command, cwd=cwd, env=environment(env), stdout=subprocess.PIPE,
-                                   stderr=subprocess.PIPE, text=True, start_new_session=True)
-        deadline = time.monotonic() + timeout
-        try:
-            while time.monotonic() < deadline:
-                try:
-                    # Waiting in communicate() keeps reading the pipes: a full pipe would stall the job.
-                    stdout, stderr = process.communicate(timeout=0.1 if poll else timeout)
-                    return subprocess.CompletedProcess(command, process.returncode, stdout, stderr)
-                except subprocess.TimeoutExpired:
-                    if poll:
-                        poll(process)
-        except BaseException:  # a failed check in `poll`, or Ctrl-C: leave nothing running
-            _kill_tree(process)
-            raise
-        stdout, stderr = _kill_tree(process)
+    process = subprocess.Popen(command, cwd=cwd, env=environment(env), stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True, start_new_session=True)
+    deadline = time.monotonic() + timeout
+    try:
+        while time.monotonic() < deadline:
+            try:
+                # Waiting in communicate() keeps reading the pipes: a full pipe would stall the job.
+                stdout, stderr = process.communicate(timeout=0.1 if poll else timeout)
+                return subprocess.CompletedProcess(command, process.returncode, stdout, stderr)
+            except subprocess.TimeoutExpired:
+                if poll:
+                    poll(process)
+    except BaseException:  # a failed check in `poll`, or Ctrl-C: leave nothing running
+        _kill_tree(process)
+        raise
+    stdout, stderr = _kill_tree(process)
     pytest.fail(f"hung: killed after {timeout}s: {' '.join(map(str, command))}\n{stdout[-3000:]}\n{stderr[-3000:]}")
 
 
@@ -206,11 +189,6 @@ def run_nodes(commands, timeout=180, envs=None, poll=None):
     the nodes run (to inject a fault)."""
     if ON_GPU:
         pytest.skip("nodes on one machine would share its GPUs, and NCCL takes one process per GPU")
-    with _machine_for(commands):
-        return _run_nodes(commands, timeout, envs, poll)
-
-
-def _run_nodes(commands, timeout, envs, poll):
     processes, outputs = [], []
     for command, node_env in zip(commands, envs or [None] * len(commands), strict=True):
         # Files, not pipes: nobody reads a node's output while waiting for another's, and a full pipe stalls.
