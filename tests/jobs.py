@@ -1,8 +1,6 @@
 """Running a step as a user runs it, as a subprocess under a hard timeout, and the arguments of the
 tests' short runs."""
 
-import contextlib
-import fcntl
 import os
 import signal
 import subprocess
@@ -148,23 +146,6 @@ def processes_per_machine(command):
     return 1
 
 
-# Two DeepSpeed jobs never run side by side (xdist's two workers would start them so): on the 2 cores, the 05 README
-# run took 91 s beside 05's parity run and 208 s beside the ZeRO-3 resume, 17 s beside nothing and 50 s beside a
-# run of 04. Every DeepSpeed job holds this file's lock; one file per test session.
-SESSION = os.environ.get("PYTEST_XDIST_TESTRUNUID", str(os.getpid()))
-DEEPSPEED_LOCK = Path(tempfile.gettempdir()) / f"deepspeed-jobs-{SESSION}"
-
-
-@contextlib.contextmanager
-def _one_deepspeed_job_at_a_time(commands):
-    if not any("deepspeed" in Path(str(word)).name for command in commands for word in command):
-        yield
-        return
-    with open(DEEPSPEED_LOCK, "a") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        yield
-
-
 def run_job(command, timeout=180, env=None, poll=None, more_processes_than_gpus=False, cwd=ROOT):
     """Run `command` in `cwd` (the repository root); a job that outlasts `timeout` is killed, with every
     process below it, and fails the test.
@@ -175,23 +156,22 @@ def run_job(command, timeout=180, env=None, poll=None, more_processes_than_gpus=
     if ON_GPU and not more_processes_than_gpus and processes_per_machine(command) > torch.cuda.device_count():
         pytest.skip(f"{processes_per_machine(command)} processes need as many GPUs; "
                     f"this machine has {torch.cuda.device_count()}")
-    with _one_deepspeed_job_at_a_time([command]):
-        process = subprocess.Popen(command, cwd=cwd, env=environment(env), stdout=subprocess.PIPE,
-                                   stderr=subprocess.PIPE, text=True, start_new_session=True)
-        deadline = time.monotonic() + timeout
-        try:
-            while time.monotonic() < deadline:
-                try:
-                    # Waiting in communicate() keeps reading the pipes: a full pipe would stall the job.
-                    stdout, stderr = process.communicate(timeout=0.1 if poll else timeout)
-                    return subprocess.CompletedProcess(command, process.returncode, stdout, stderr)
-                except subprocess.TimeoutExpired:
-                    if poll:
-                        poll(process)
-        except BaseException:  # a failed check in `poll`, or Ctrl-C: leave nothing running
-            _kill_tree(process)
-            raise
-        stdout, stderr = _kill_tree(process)
+    process = subprocess.Popen(command, cwd=cwd, env=environment(env), stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True, start_new_session=True)
+    deadline = time.monotonic() + timeout
+    try:
+        while time.monotonic() < deadline:
+            try:
+                # Waiting in communicate() keeps reading the pipes: a full pipe would stall the job.
+                stdout, stderr = process.communicate(timeout=0.1 if poll else timeout)
+                return subprocess.CompletedProcess(command, process.returncode, stdout, stderr)
+            except subprocess.TimeoutExpired:
+                if poll:
+                    poll(process)
+    except BaseException:  # a failed check in `poll`, or Ctrl-C: leave nothing running
+        _kill_tree(process)
+        raise
+    stdout, stderr = _kill_tree(process)
     pytest.fail(f"hung: killed after {timeout}s: {' '.join(map(str, command))}\n{stdout[-3000:]}\n{stderr[-3000:]}")
 
 
@@ -209,11 +189,6 @@ def run_nodes(commands, timeout=180, envs=None, poll=None):
     the nodes run (to inject a fault)."""
     if ON_GPU:
         pytest.skip("nodes on one machine would share its GPUs, and NCCL takes one process per GPU")
-    with _one_deepspeed_job_at_a_time(commands):
-        return _run_nodes(commands, timeout, envs, poll)
-
-
-def _run_nodes(commands, timeout, envs, poll):
     processes, outputs = [], []
     for command, node_env in zip(commands, envs or [None] * len(commands), strict=True):
         # Files, not pipes: nobody reads a node's output while waiting for another's, and a full pipe stalls.
