@@ -39,21 +39,22 @@ SYNTHETIC_TEST_SIZE = 1001
 _CROP_PADDING = 4
 
 # How data-loader workers start: from a "forkserver", a process without threads that has imported torch
-# and this module (Python 3.14's default start method on Linux). A fork of the trainer itself, the
-# default before 3.14, copies the locks of the trainer's other threads (gloo's, PyTorch's) as they are at
-# that instant: one held then is never released in the worker, which hangs before its first batch. Each
-# worker still imports the script that runs (Python's rule for this start method) and receives the data
-# set through shared memory: /dev/shm must hold it (docs/data-and-model.md).
+# (Python 3.14's default start method on Linux). A fork of the trainer itself, the default before 3.14,
+# copies the locks of the trainer's other threads (gloo's, the autograd engine's) as they are at that
+# instant: one held then is never released in the worker, which hangs before its first batch. Each worker
+# still imports the script that runs (Python's rule for this start method), and this module with it, and
+# receives the data set through shared memory: /dev/shm must hold it (docs/data-and-model.md).
 WORKER_CONTEXT = multiprocessing.get_context("forkserver")
-WORKER_CONTEXT.set_forkserver_preload([__name__])
+WORKER_CONTEXT.set_forkserver_preload(["torch"])
 
 
 class EndWithTrainer:
     """A loader's `worker_init_fn` for workers started by WORKER_CONTEXT: each ends as soon as the process
     that created this object ends. PyTorch's workers watch their parent, which is the forkserver here, and
-    the forkserver waits for its workers: after a trainer that never closed its loaders (a failed run that
-    ends with `os._exit`, a SIGKILL), both would run forever. The trainer alone holds the write end of a
-    pipe, which the system closes when it ends, however it ends; a thread in each worker waits for that."""
+    the forkserver waits for its workers: after a trainer that ended without closing its loaders (a failed
+    run that ends with `os._exit`, a SIGKILL), both would run forever. The trainer holds the write end of a
+    pipe, which the system closes when it ends, however it ends; a thread in each worker waits for that.
+    (Forked workers hold the write end too: PyTorch's own watch of their parent, the trainer, ends them.)"""
 
     _pipes = {}  # {the trainer's pid: (read end, write end)}, one pipe per trainer
 

@@ -117,11 +117,7 @@ def main():
     train_set, test_set = build_datasets()
     # Plain loaders: `prepare` shards them. The test loader's last batch is padded for an even split;
     # gather_for_metrics drops the padding again.
-    # Workers start as new processes, once ("spawn"): a fork of this process, whose gloo threads may hold a
-    # lock at that instant, can hang before its first batch. Each worker imports this script again.
-    spawned = {"persistent_workers": True, "multiprocessing_context": "spawn"} if args.num_workers else {}
-    train_loader = DataLoader(train_set, args.batch_size, shuffle=True, drop_last=True, num_workers=args.num_workers,
-                              **spawned)
+    train_loader = DataLoader(train_set, args.batch_size, shuffle=True, drop_last=True, num_workers=args.num_workers)
     test_loader = DataLoader(test_set, args.batch_size)  # split too: divisible by the processes
 
     model = build_model()

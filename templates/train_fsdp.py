@@ -127,11 +127,8 @@ def main():
     train_set, test_set = build_datasets()
     # Each rank keeps every world_size-th sample of one shuffle that every rank draws alike: disjoint shares.
     sampler = DistributedSampler(train_set, world_size, rank, shuffle=True, seed=args.seed, drop_last=True)
-    # Workers start as new processes, once ("spawn"): a fork of this process, whose gloo threads may hold a
-    # lock at that instant, can hang before its first batch. Each worker imports this script again.
-    spawned = {"persistent_workers": True, "multiprocessing_context": "spawn"} if args.num_workers else {}
     train_loader = DataLoader(train_set, args.batch_size // world_size, sampler=sampler, drop_last=True,
-                              num_workers=args.num_workers, **spawned, pin_memory=device.type == "cuda")
+                              num_workers=args.num_workers, pin_memory=device.type == "cuda")
     # Test: a disjoint slice per rank (DistributedSampler pads), in as many batches on each: forwards gather weights.
     test_slice = range(rank, len(test_set), world_size)
     batches = torch.arange(len(test_slice)).tensor_split(math.ceil(math.ceil(len(test_set) / world_size) / 256))

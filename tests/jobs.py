@@ -111,7 +111,7 @@ def workers(process):
 
 
 def loader_workers(pid):
-    """The pids of process `pid`'s data-loader workers that have started (children of its forkserver,
+    """The pids of process `pid`'s data-loader workers that have started (its children, or its forkserver's,
     common/data.py): PyTorch names a worker `pt_data_worker` once it has set its own signal handlers, which
     end it on SIGTERM unless the signal is blocked."""
     found = []
