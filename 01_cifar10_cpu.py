@@ -7,8 +7,6 @@ checkpoint that --resume continues exactly, even from the middle of an epoch.
 Launch:
     python 01_cifar10_cpu.py                          # CIFAR-10, downloaded into ./data
     python 01_cifar10_cpu.py --synthetic --epochs 1   # generated stand-in data, offline
-
-Next: 02_cifar10_gpu.py runs the same loop on a GPU, with mixed precision.
 """
 
 import os
@@ -77,7 +75,7 @@ def build_data(context):
     if args.batch_size > len(train_set):
         raise utils.UsageError(f"--batch-size {args.batch_size} is larger than the training set "
                                f"({len(train_set)})")
-    # One process, the order that 04 splits between ranks: step i trains on the same samples.
+    # One order per seed and epoch, that 04 deals out to its replicas: step i, the same samples.
     sampler = DistributedSampler(train_set, num_replicas=1, rank=0, seed=args.seed)
     # Whole batches, cut and augmented on `device` in a few tensor ops (docs/data-and-model.md).
     train_loader = data.BatchLoader(train_set, args.batch_size, sampler=sampler, drop_last=True,

@@ -1,15 +1,12 @@
 """Step 02: the same loop on one GPU, with mixed precision.
 
-New (lines marked `# [02]`): `device` is the GPU, so the model and every batch go there (the loader
-copies each batch as uint8 from pinned memory and augments it on the GPU), --amp runs the forward
-pass under `torch.autocast` (fp16 with a `GradScaler`), and deterministic kernels keep --resume
-exact. Without a GPU it runs on the CPU.
+New (lines marked `# [02]`): the model and every batch go to the GPU (each batch as uint8 from
+pinned memory, augmented there), --amp runs the forward pass under `torch.autocast` (fp16 with a
+`GradScaler`), and deterministic kernels keep --resume exact. Without a GPU: the CPU.
 
 Launch:
     python 02_cifar10_gpu.py --amp bf16               # CIFAR-10 on GPU 0 (fp16 on pre-Ampere GPUs)
     python 02_cifar10_gpu.py --synthetic --epochs 1   # generated stand-in data, offline
-
-Next: 03_cifar10_dataparallel.py uses every GPU of the machine from this one process.
 """
 
 import os
@@ -85,7 +82,7 @@ def build_data(context):
     if args.batch_size > len(train_set):
         raise utils.UsageError(f"--batch-size {args.batch_size} is larger than the training set "
                                f"({len(train_set)})")
-    # One process, the order that 04 splits between ranks: step i trains on the same samples.
+    # One order per seed and epoch, that 04 deals out to its replicas: step i, the same samples.
     sampler = DistributedSampler(train_set, num_replicas=1, rank=0, seed=args.seed)
     # Whole batches, cut and augmented on `device` in a few tensor ops (docs/data-and-model.md).
     train_loader = data.BatchLoader(train_set, args.batch_size, sampler=sampler, drop_last=True,

@@ -11,8 +11,6 @@ Launch:
     python 03_cifar10_dataparallel.py --amp fp16             # every visible GPU
     CUDA_VISIBLE_DEVICES=0,1 python 03_cifar10_dataparallel.py   # a chosen subset
     python 03_cifar10_dataparallel.py --synthetic --epochs 1  # generated stand-in data, offline
-
-Next: 04_cifar10_ddp.py runs one process per GPU instead.
 """
 
 import os
@@ -95,7 +93,7 @@ def build_data(context):
     if args.batch_size > len(train_set):
         raise utils.UsageError(f"--batch-size {args.batch_size} is larger than the training set "
                                f"({len(train_set)})")
-    # One process, the order that 04 splits between ranks: step i trains on the same samples.
+    # One order per seed and epoch, that 04 deals out to its replicas: step i, the same samples.
     sampler = DistributedSampler(train_set, num_replicas=1, rank=0, seed=args.seed)
     # Whole batches, cut and augmented on `device` in a few tensor ops (docs/data-and-model.md).
     train_loader = data.BatchLoader(train_set, args.batch_size, sampler=sampler, drop_last=True,

@@ -7,8 +7,6 @@ the ranks' test counts are summed, and rank 0 alone writes. Without GPUs: gloo o
 Launch:
     torchrun --nproc_per_node=N 04_cifar10_ddp.py --amp bf16                           # N GPUs
     torchrun --standalone --nproc_per_node=2 04_cifar10_ddp.py --synthetic --epochs 1  # CPU, gloo
-
-Next: 05_cifar10_deepspeed.py hands the optimizer step, precision and sharding to DeepSpeed.
 """
 
 import os
@@ -33,9 +31,9 @@ def parse_args():
 def main():
     args = parse_args()
     # SIGTERM or SIGUSR1 (preemption, a time limit near): every rank stops at one step, saved there.
-    preemption = distributed.Preemption()  # [04] first: until then, a signal kills the process
+    distributed.catch_stop_signals()  # [04] first: until then, a signal kills the process
     context = setup(args)
-    preemption.connect()  # [04] its own gloo group: a network that gloo cannot use fails here
+    distributed.connect_stop_flag()  # [04] its own gloo group: fails here if gloo has no network
     train_set, sampler, train_loader, test_loader = build_data(context)
     model = build_model(context)
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9, nesterov=True,
@@ -59,18 +57,15 @@ def main():
         sampler.set_epoch(epoch)  # [04] or DistributedSampler repeats epoch 0's order forever
         train_set.set_epoch(epoch)  # augmentation draws depend on (seed, epoch, sample) only
         record.start_training(state.step)
-        train_loss = train_one_epoch(context, state, train_loader, preemption)  # [04]
+        train_loss = train_one_epoch(context, state, train_loader)
         record.stop_training(state.step)
-        if preemption.stopped:  # [04] every rank stopped after this step, and it was saved
-            raise utils.Preempted(preemption, state.step, args.output_dir)  # [04] exit status 75
         test_loss, test_accuracy, test_samples = evaluate(context, model, test_loader)
         record.end_epoch(epoch, state.step, train_loss, test_loss, test_accuracy, test_samples)
         if state.step >= last_step:
             break
 
     metrics = record.metrics()  # wall_seconds ends here, before the final writes
-    # One writer, and no collective in here: the other ranks would never join it. The weights are in
-    # model.module; saving the wrapper would prefix every key with "module.".
+    # One writer, and no collective in here: the other ranks would never join it.
     if context.rank == 0:  # [04]
         utils.write_outputs(args.output_dir, model.module.state_dict(), metrics)  # [04]
     dist.barrier()  # [04] leave together: a rank that leaves while rank 0 writes can abort it
@@ -80,10 +75,9 @@ def main():
 def setup(args):
     """What the run is, read by every function below (common/utils.py's Context)."""
     utils.seed_everything(args.seed)
-    # torchrun tells each process its rank, its local rank (the GPU it drives) and the world size.
     distributed.default_to_a_world_of_one()  # [04] started by plain `python`
-    rank, local_rank, world_size = (int(os.environ[name])  # [04]
-                                    for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE"))  # [04]
+    # torchrun sets each process's rank, local rank (its GPU), world size; Context reads the rank.
+    local_rank, world_size = (int(os.environ[key]) for key in ("LOCAL_RANK", "WORLD_SIZE"))  # [04]
     device = torch.device(f"cuda:{local_rank}" if torch.cuda.is_available() else "cpu")  # [04]
     if device.type == "cuda":  # [02]
         distributed.require_one_gpu_per_process()  # [04]
@@ -94,16 +88,15 @@ def setup(args):
     if args.batch_size % world_size:  # [04] --batch-size is global: each process takes a share
         raise utils.UsageError(f"--batch-size {args.batch_size} is not divisible "  # [04]
                                f"by the world size {world_size}")  # [04]
-    # Before the process group, whose timeout a slow download would outlast.
     if not args.synthetic:
         data.download_cifar10(args.data_dir)
     # The process group connects the processes for collectives (broadcast, all-reduce...): NCCL
-    # between GPUs, gloo between CPUs. After the checks of the flags: a rank that stops while others
-    # connect breaks their connections, and they fail with tracebacks instead of its one error line.
+    # between GPUs, gloo between CPUs. After the download, which its timeout could cut, and the
+    # checks: a rank that stops while others connect makes them fail with tracebacks.
     backend = "nccl" if device.type == "cuda" else "gloo"  # [04]
     dist.init_process_group(backend, timeout=distributed.TIMEOUT,  # [04]
                             device_id=device if backend == "nccl" else None)  # [04] NCCL: its GPU
-    return utils.Context(args, device, flags.AMP_DTYPES[args.amp], rank, world_size)  # [04]
+    return utils.Context(args, device, amp_dtype=flags.AMP_DTYPES[args.amp])  # [02] None: fp32
 
 
 def build_data(context):
@@ -116,8 +109,8 @@ def build_data(context):
     if args.batch_size > len(train_set):
         raise utils.UsageError(f"--batch-size {args.batch_size} is larger than the training set "
                                f"({len(train_set)})")
-    # Every replica shuffles alike and keeps every replicas-th sample: disjoint shares of the batch.
-    sampler = DistributedSampler(train_set, num_replicas=replicas, rank=replica,  # [04]
+    # One order per seed and epoch, that 04 deals out to its replicas: step i, the same samples.
+    sampler = DistributedSampler(train_set, num_replicas=replicas, rank=replica,  # [04] its share
                                  seed=args.seed, drop_last=True)  # [04]
     # Whole batches, cut and augmented on `device` in a few tensor ops (docs/data-and-model.md).
     train_loader = data.BatchLoader(train_set, batch_size, sampler=sampler, drop_last=True,  # [04]
@@ -138,7 +131,7 @@ def build_model(context):
     return model
 
 
-def train_one_epoch(context, state, loader, preemption):  # [04]
+def train_one_epoch(context, state, loader):
     """Train until the end of the epoch or the run's last step; returns the mean loss."""
     args, device, model = context.args, context.device, state.model
     amp_dtype = context.amp_dtype  # [02]
@@ -161,7 +154,7 @@ def train_one_epoch(context, state, loader, preemption):  # [04]
         state.step += 1
         loss_sum += loss.detach()
         at_end = state.step == state.last_step
-        stop = preemption.should_stop()  # [04] every rank, every step: none may stop alone
+        stop = distributed.should_stop()  # [04] every rank, every step: none may stop alone
         save_due = stop or args.save_every and (state.step % args.save_every == 0 or at_end)  # [04]
         # Reading the loss waits for the step to finish: every 10 steps, at the end, before a save.
         if state.step % 10 == 0 or at_end or save_due:
@@ -170,8 +163,8 @@ def train_one_epoch(context, state, loader, preemption):  # [04]
             progress.set_postfix(loss=f"{logged_loss:.3f}")
         if save_due and context.rank == 0:  # [04]
             save_checkpoint(context, state)
-        if stop:  # [04]
-            break  # [04]
+        if stop:  # [04] every rank stops after this step, saved: exit status 75
+            raise utils.Preempted(state.step, args.output_dir)  # [04]
     return distributed.all_reduce_mean(loss_sum).item() / max(end - done, 1)  # [04]
 
 
@@ -229,4 +222,4 @@ def load_checkpoint(context, state):
 
 
 if __name__ == "__main__":
-    utils.run(main, skip_python_shutdown=True)  # [04] gloo's threads would abort Python's shutdown
+    utils.run(main)

@@ -12,8 +12,6 @@ Launch:
     OMP_NUM_THREADS=1 deepspeed --num_gpus=2 05_cifar10_deepspeed.py --synthetic --epochs 1  # CPU
 Without GPUs --num_gpus is the number of processes, and the first run compiles a small op with the
 environment's ninja (activate it). Several machines, hostfiles, ssh: docs/deepspeed.md.
-
-Next: 06_mnist_accelerate.py writes the loop once for any launcher, with Accelerate.
 """
 
 import os
@@ -47,9 +45,9 @@ def parse_args():
 def main():
     args = parse_args()
     # SIGTERM or SIGUSR1 (preemption, a time limit near): every rank stops at one step, saved there.
-    preemption = distributed.Preemption()  # [04] first: until then, a signal kills the process
+    distributed.catch_stop_signals()  # [04] first: until then, a signal kills the process
     context, config = setup(args)  # [05] and DeepSpeed's settings
-    preemption.connect()  # [04] its own gloo group: a network that gloo cannot use fails here
+    distributed.connect_stop_flag()  # [04] its own gloo group: fails here if gloo has no network
     train_set, sampler, train_loader, test_loader = build_data(context, config)  # [05]
     model = build_model(context)
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9, nesterov=True,
@@ -80,10 +78,8 @@ def main():
         sampler.set_epoch(epoch)  # [04] or DistributedSampler repeats epoch 0's order forever
         train_set.set_epoch(epoch)  # augmentation draws depend on (seed, epoch, sample) only
         record.start_training(state.step)
-        train_loss = train_one_epoch(context, state, train_loader, preemption)  # [04]
+        train_loss = train_one_epoch(context, state, train_loader)
         record.stop_training(state.step)
-        if preemption.stopped:  # [04] every rank stopped after this step, and it was saved
-            raise utils.Preempted(preemption, state.step, args.output_dir)  # [04] exit status 75
         test_loss, test_accuracy, test_samples = evaluate(context, model, test_loader)
         record.end_epoch(epoch, state.step, train_loss, test_loss, test_accuracy, test_samples)
         if state.step >= last_step:
@@ -107,10 +103,9 @@ def main():
 def setup(args):
     """What the run is, read by every function below (common/utils.py's Context)."""
     utils.seed_everything(args.seed)
-    # torchrun tells each process its rank, its local rank (the GPU it drives) and the world size.
     distributed.default_to_a_world_of_one()  # [04] started by plain `python`
-    rank, local_rank, world_size = (int(os.environ[name])  # [04]
-                                    for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE"))  # [04]
+    # torchrun sets each process's rank, local rank (its GPU), world size; Context reads the rank.
+    local_rank, world_size = (int(os.environ[key]) for key in ("LOCAL_RANK", "WORLD_SIZE"))  # [04]
     device = torch.device(f"cuda:{local_rank}" if torch.cuda.is_available() else "cpu")  # [04]
     if device.type == "cuda":  # [02]
         distributed.require_one_gpu_per_process()  # [04]
@@ -140,16 +135,15 @@ def setup(args):
         config["torch_autocast"] = {"enabled": True, "dtype": args.amp}  # [05] fp16: a GradScaler
     if args.zero_stage is not None:  # [05]
         config.setdefault("zero_optimization", {})["stage"] = args.zero_stage  # [05]
-    # Before the process group, whose timeout a slow download would outlast.
     if not args.synthetic:
         data.download_cifar10(args.data_dir)
     # The process group connects the processes for collectives (broadcast, all-reduce...): NCCL
-    # between GPUs, gloo between CPUs. After the checks of the flags: a rank that stops while others
-    # connect breaks their connections, and they fail with tracebacks instead of its one error line.
+    # between GPUs, gloo between CPUs. After the download, which its timeout could cut, and the
+    # checks: a rank that stops while others connect makes them fail with tracebacks.
     backend = "nccl" if device.type == "cuda" else "gloo"  # [04]
     dist.init_process_group(backend, timeout=distributed.TIMEOUT,  # [04]
                             device_id=device if backend == "nccl" else None)  # [04] NCCL: its GPU
-    return utils.Context(args, device, flags.AMP_DTYPES[args.amp], rank, world_size), config  # [05]
+    return utils.Context(args, device, amp_dtype=flags.AMP_DTYPES[args.amp]), config  # [05]
 
 
 def build_data(context, config):  # [05]
@@ -162,8 +156,8 @@ def build_data(context, config):  # [05]
     if args.batch_size > len(train_set):
         raise utils.UsageError(f"--batch-size {args.batch_size} is larger than the training set "
                                f"({len(train_set)})")
-    # Every replica shuffles alike and keeps every replicas-th sample: disjoint shares of the batch.
-    sampler = DistributedSampler(train_set, num_replicas=replicas, rank=replica,  # [04]
+    # One order per seed and epoch, that 04 deals out to its replicas: step i, the same samples.
+    sampler = DistributedSampler(train_set, num_replicas=replicas, rank=replica,  # [04] its share
                                  seed=args.seed, drop_last=True)  # [04]
     # Whole batches, cut and augmented on `device` in a few tensor ops (docs/data-and-model.md).
     train_loader = data.BatchLoader(train_set, batch_size, sampler=sampler, drop_last=True,  # [04]
@@ -184,7 +178,7 @@ def build_model(context):
     return model
 
 
-def train_one_epoch(context, state, loader, preemption):  # [04]
+def train_one_epoch(context, state, loader):
     """Train until the end of the epoch or the run's last step; returns the mean loss."""
     args, device, model = context.args, context.device, state.model
     amp_dtype = context.amp_dtype  # [02]
@@ -210,7 +204,7 @@ def train_one_epoch(context, state, loader, preemption):  # [04]
             continue  # [05]
         state.step += 1
         at_end = state.step == state.last_step
-        stop = preemption.should_stop()  # [04] every rank, every step: none may stop alone
+        stop = distributed.should_stop()  # [04] every rank, every step: none may stop alone
         # Always at the end too: under ZeRO-3, model.pt is rebuilt from the last checkpoint.
         save_due = stop or at_end or args.save_every and state.step % args.save_every == 0  # [05]
         # Reading the loss waits for the step to finish: every 10 steps, at the end, before a save.
@@ -220,8 +214,8 @@ def train_one_epoch(context, state, loader, preemption):  # [04]
             progress.set_postfix(loss=f"{logged_loss:.3f}")
         if save_due:  # [05] every rank saves its own shard
             save_checkpoint(context, state)
-        if stop:  # [04]
-            break  # [04]
+        if stop:  # [04] every rank stops after this step, saved: exit status 75
+            raise utils.Preempted(state.step, args.output_dir)  # [04]
     return distributed.all_reduce_mean(loss_sum).item() / max(end - done, 1)  # [04]
 
 
@@ -262,12 +256,10 @@ def save_checkpoint(context, state):
         "seed": args.seed,
         "width": args.width,
     })  # [05]
-    # `latest` names the checkpoint to resume from. DeepSpeed's own is written by rank 0 before the
-    # other ranks have finished their shards, and not atomically: this one comes after the final
-    # barrier, atomically, so a crash mid-save leaves it naming the previous checkpoint.
+    # Our `latest`, not DeepSpeed's, which rank 0 writes before the other ranks have finished their
+    # shards: after the final barrier, atomically (a crash mid-save leaves the previous one named).
     if context.rank == 0:  # [05]
-        utils.write_text(tag, os.path.join(directory, "latest"))  # [05]
-        utils.remove_other_checkpoints(directory, keep=tag)  # [05]
+        utils.commit_checkpoint(directory, tag)  # [05]
 
 
 def load_checkpoint(context, state):
@@ -284,4 +276,4 @@ def load_checkpoint(context, state):
 
 
 if __name__ == "__main__":
-    utils.run(main, skip_python_shutdown=True)  # [04] gloo's threads would abort Python's shutdown
+    utils.run(main)

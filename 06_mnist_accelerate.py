@@ -35,9 +35,9 @@ def parse_args():
 def main():
     args = parse_args()
     # SIGTERM or SIGUSR1 (preemption, a time limit near): every rank stops at one step, saved there.
-    preemption = distributed.Preemption()  # [04] first: until then, a signal kills the process
+    distributed.catch_stop_signals()  # [04] first: until then, a signal kills the process
     context, accelerator = setup(args)  # [06]
-    preemption.connect()  # [04] its own gloo group: a network that gloo cannot use fails here
+    distributed.connect_stop_flag()  # [04] its own gloo group: fails here if gloo has no network
     train_set, _, train_loader, test_loader = build_data(context)  # [06] set_epoch: below
     model = build_model(context)
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9, nesterov=True,
@@ -66,10 +66,8 @@ def main():
         train_loader.set_epoch(epoch)  # [06] not the sampler's: the loader would overwrite it
         train_set.set_epoch(epoch)  # augmentation draws depend on (seed, epoch, sample) only
         record.start_training(state.step)
-        train_loss = train_one_epoch(context, state, train_loader, accelerator, preemption)  # [06]
+        train_loss = train_one_epoch(context, state, train_loader, accelerator)  # [06]
         record.stop_training(state.step)
-        if preemption.stopped:  # [04] every rank stopped after this step, and it was saved
-            raise utils.Preempted(preemption, state.step, args.output_dir)  # [04] exit status 75
         test_loss, test_accuracy, test_samples = evaluate(context, model, test_loader,  # [06]
                                                           accelerator)  # [06]
         record.end_epoch(epoch, state.step, train_loss, test_loss, test_accuracy, test_samples)
@@ -95,7 +93,6 @@ def setup(args):
     if args.batch_size % world_size:  # [04] --batch-size is global: each process takes a share
         raise utils.UsageError(f"--batch-size {args.batch_size} is not divisible "  # [04]
                                f"by the world size {world_size}")  # [04]
-    # Before the process group, whose timeout a slow download would outlast.
     if not args.synthetic:
         data.download_mnist(args.data_dir)  # [06]
     # One object does 04's set-up under any launcher: process group, rank, world size, device.
@@ -111,9 +108,7 @@ def setup(args):
         utils.use_deterministic_kernels()  # [06] or --resume drifts from an uninterrupted run
     else:  # [06]
         distributed.print0("no GPU found: training on the CPU")  # [06]
-    context = utils.Context(args, device, flags.AMP_DTYPES[args.amp],  # [06]
-                            accelerator.process_index, world_size)  # [06]
-    return context, accelerator  # [06]
+    return utils.Context(args, device, amp_dtype=flags.AMP_DTYPES[args.amp]), accelerator  # [06]
 
 
 def build_data(context):
@@ -142,7 +137,7 @@ def build_model(context):
     return model
 
 
-def train_one_epoch(context, state, loader, accelerator, preemption):  # [06]
+def train_one_epoch(context, state, loader, accelerator):  # [06]
     """Train until the end of the epoch or the run's last step; returns the mean loss."""
     args, device, model = context.args, context.device, state.model
     model.train()
@@ -163,7 +158,7 @@ def train_one_epoch(context, state, loader, accelerator, preemption):  # [06]
         state.step += 1
         loss_sum += loss.detach()
         at_end = state.step == state.last_step
-        stop = preemption.should_stop()  # [04] every rank, every step: none may stop alone
+        stop = distributed.should_stop()  # [04] every rank, every step: none may stop alone
         save_due = stop or args.save_every and (state.step % args.save_every == 0 or at_end)  # [04]
         # Reading the loss waits for the step to finish: every 10 steps, at the end, before a save.
         if state.step % 10 == 0 or at_end or save_due:
@@ -172,8 +167,8 @@ def train_one_epoch(context, state, loader, accelerator, preemption):  # [06]
             progress.set_postfix(loss=f"{logged_loss:.3f}")
         if save_due:  # [06] on every process
             save_checkpoint(context, state, accelerator)  # [06]
-        if stop:  # [04]
-            break  # [04]
+        if stop:  # [04] every rank stops after this step, saved: exit status 75
+            raise utils.Preempted(state.step, args.output_dir)  # [04]
     return accelerator.reduce(loss_sum, "mean").item() / max(end - done, 1)  # [06]
 
 
@@ -229,4 +224,4 @@ def load_checkpoint(context, state, accelerator):  # [06]
 
 
 if __name__ == "__main__":
-    utils.run(main, skip_python_shutdown=True)  # [04] gloo's threads would abort Python's shutdown
+    utils.run(main)

@@ -51,9 +51,9 @@ def parse_args():
 def main():
     args = parse_args()
     # SIGTERM or SIGUSR1 (preemption, a time limit near): every rank stops at one step, saved there.
-    preemption = distributed.Preemption()  # [04] first: until then, a signal kills the process
+    distributed.catch_stop_signals()  # [04] first: until then, a signal kills the process
     context = setup(args)
-    preemption.connect()  # [04] its own gloo group: a network that gloo cannot use fails here
+    distributed.connect_stop_flag()  # [04] its own gloo group: fails here if gloo has no network
     train_set, sampler, train_loader, test_loader = build_data(context)
     stage, schedule = build_model(context)  # [08] this rank's stage, and the schedule that runs it
     model = stage.submod  # [08] the stage's blocks
@@ -78,10 +78,8 @@ def main():
         sampler.set_epoch(epoch)  # [04] or DistributedSampler repeats epoch 0's order forever
         train_set.set_epoch(epoch)  # augmentation draws depend on (seed, epoch, sample) only
         record.start_training(state.step)
-        train_loss = train_one_epoch(context, state, train_loader, schedule, preemption)  # [08]
+        train_loss = train_one_epoch(context, state, train_loader, schedule)  # [08]
         record.stop_training(state.step)
-        if preemption.stopped:  # [04] every rank stopped after this step, and it was saved
-            raise utils.Preempted(preemption, state.step, args.output_dir)  # [04] exit status 75
         test_loss, test_accuracy, test_samples = evaluate(context, stage, test_loader,  # [08]
                                                           schedule)  # [08]
         record.end_epoch(epoch, state.step, train_loss, test_loss, test_accuracy, test_samples)
@@ -108,10 +106,9 @@ def main():
 def setup(args):
     """What the run is, read by every function below (common/utils.py's Context)."""
     utils.seed_everything(args.seed)
-    # torchrun tells each process its rank, its local rank (the GPU it drives) and the world size.
     distributed.default_to_a_world_of_one()  # [04] started by plain `python`
-    rank, local_rank, world_size = (int(os.environ[name])  # [04]
-                                    for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE"))  # [04]
+    # torchrun sets each process's rank, local rank (its GPU), world size; Context reads the rank.
+    local_rank, world_size = (int(os.environ[key]) for key in ("LOCAL_RANK", "WORLD_SIZE"))  # [04]
     device = torch.device(f"cuda:{local_rank}" if torch.cuda.is_available() else "cpu")  # [04]
     if device.type == "cuda":  # [02]
         distributed.require_one_gpu_per_process()  # [04]
@@ -127,18 +124,17 @@ def setup(args):
     # (whose steady state runs one micro-batch per stage), at most M micro-batches; each replica's
     # share of the batch is cut into M micro-batches. Said in one line (common/distributed.py).
     stages, replicas = distributed.pipeline_layout(args, world_size)  # [08]
-    # Before the process group, whose timeout a slow download would outlast.
     if not args.synthetic:
         data.download_cifar10(args.data_dir)
     # The process group connects the processes for collectives (broadcast, all-reduce...): NCCL
-    # between GPUs, gloo between CPUs. After the checks of the flags: a rank that stops while others
-    # connect breaks their connections, and they fail with tracebacks instead of its one error line.
+    # between GPUs, gloo between CPUs. After the download, which its timeout could cut, and the
+    # checks: a rank that stops while others connect makes them fail with tracebacks.
     backend = "nccl" if device.type == "cuda" else "gloo"  # [04]
     dist.init_process_group(backend, timeout=distributed.TIMEOUT,  # [04]
                             device_id=device if backend == "nccl" else None)  # [04] NCCL: its GPU
     # rank = stage x replicas + replica: a stage's replicas are neighbours, on one machine.
     mesh = init_device_mesh(device.type, (stages, replicas), mesh_dim_names=("pp", "dp"))  # [08]
-    return utils.Context(args, device, flags.AMP_DTYPES[args.amp], rank, world_size, mesh)  # [08]
+    return utils.Context(args, device, amp_dtype=flags.AMP_DTYPES[args.amp], mesh=mesh)  # [08]
 
 
 def build_data(context):
@@ -151,8 +147,8 @@ def build_data(context):
     if args.batch_size > len(train_set):
         raise utils.UsageError(f"--batch-size {args.batch_size} is larger than the training set "
                                f"({len(train_set)})")
-    # Every replica shuffles alike and keeps every replicas-th sample: disjoint shares of the batch.
-    sampler = DistributedSampler(train_set, num_replicas=replicas, rank=replica,  # [04]
+    # One order per seed and epoch, that 04 deals out to its replicas: step i, the same samples.
+    sampler = DistributedSampler(train_set, num_replicas=replicas, rank=replica,  # [04] its share
                                  seed=args.seed, drop_last=True)  # [04]
     # Whole batches, cut and augmented on `device` in a few tensor ops (docs/data-and-model.md).
     train_loader = data.BatchLoader(train_set, batch_size, sampler=sampler, drop_last=True,  # [04]
@@ -182,7 +178,7 @@ def build_model(context):
     return stage, schedule  # [08]
 
 
-def train_one_epoch(context, state, loader, schedule, preemption):  # [08]
+def train_one_epoch(context, state, loader, schedule):  # [08]
     """Train until the end of the epoch or the run's last step; returns the mean loss."""
     args, device, stage = context.args, context.device, state.model  # [08]
     amp_dtype, mesh = context.amp_dtype, context.mesh  # [08]
@@ -216,7 +212,7 @@ def train_one_epoch(context, state, loader, schedule, preemption):  # [08]
         loss = torch.stack(losses).mean() if stage.is_last else no_loss  # [08]
         loss_sum += loss.detach()
         at_end = state.step == state.last_step
-        stop = preemption.should_stop()  # [04] every rank, every step: none may stop alone
+        stop = distributed.should_stop()  # [04] every rank, every step: none may stop alone
         save_due = stop or args.save_every and (state.step % args.save_every == 0 or at_end)  # [04]
         # Reading the loss waits for the step to finish: every 10 steps, at the end, before a save.
         if state.step % 10 == 0 or at_end or save_due:
@@ -226,8 +222,8 @@ def train_one_epoch(context, state, loader, schedule, preemption):  # [08]
             progress.set_postfix(loss=f"{logged_loss:.3f}")
         if save_due:  # [08] every rank: each stage writes its own part
             save_checkpoint(context, state)
-        if stop:  # [04]
-            break  # [04]
+        if stop:  # [04] every rank stops after this step, saved: exit status 75
+            raise utils.Preempted(state.step, args.output_dir)  # [04]
     mean = distributed.all_reduce_mean(loss_sum).item() * mesh["pp"].size()  # [08]
     return mean / max(end - done, 1)  # [08]
 
@@ -293,9 +289,7 @@ def save_checkpoint(context, state):
         "seed": args.seed,
         "width": args.width,
     }, os.path.join(path, "train_state.pt"))  # [08]
-    # `latest` last, atomically: a crash mid-save leaves it naming the previous checkpoint.
-    utils.write_text(f"step{state.step}", os.path.join(directory, "latest"))  # [08]
-    utils.remove_other_checkpoints(directory, keep=f"step{state.step}")  # [08]
+    utils.commit_checkpoint(directory, f"step{state.step}")  # [08] `latest` names it, last
 
 
 def load_checkpoint(context, state):
@@ -319,4 +313,4 @@ def load_checkpoint(context, state):
 
 
 if __name__ == "__main__":
-    utils.run(main, skip_python_shutdown=True)  # [04] gloo's threads would abort Python's shutdown
+    utils.run(main)

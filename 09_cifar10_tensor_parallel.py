@@ -31,7 +31,7 @@ from torch.distributed.checkpoint.state_dict import (  # [07] the sharded state,
 )  # [07]
 from torch.distributed.device_mesh import init_device_mesh  # [09]
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard  # [07]
-from torch.distributed.tensor import Replicate, Shard, distribute_tensor  # [09]
+from torch.distributed.tensor import Replicate, Shard  # [09]
 from torch.distributed.tensor.parallel import (  # [09]
     ColwiseParallel,  # [09]
     PrepareModuleInput,  # [09]
@@ -60,9 +60,9 @@ def parse_args():
 def main():
     args = parse_args()
     # SIGTERM or SIGUSR1 (preemption, a time limit near): every rank stops at one step, saved there.
-    preemption = distributed.Preemption()  # [04] first: until then, a signal kills the process
+    distributed.catch_stop_signals()  # [04] first: until then, a signal kills the process
     context = setup(args)
-    preemption.connect()  # [04] its own gloo group: a network that gloo cannot use fails here
+    distributed.connect_stop_flag()  # [04] its own gloo group: fails here if gloo has no network
     train_set, sampler, train_loader, test_loader = build_data(context)
     model = build_model(context)
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9, nesterov=True,
@@ -85,10 +85,8 @@ def main():
         sampler.set_epoch(epoch)  # [04] or DistributedSampler repeats epoch 0's order forever
         train_set.set_epoch(epoch)  # augmentation draws depend on (seed, epoch, sample) only
         record.start_training(state.step)
-        train_loss = train_one_epoch(context, state, train_loader, preemption)  # [04]
+        train_loss = train_one_epoch(context, state, train_loader)
         record.stop_training(state.step)
-        if preemption.stopped:  # [04] every rank stopped after this step, and it was saved
-            raise utils.Preempted(preemption, state.step, args.output_dir)  # [04] exit status 75
         test_loss, test_accuracy, test_samples = evaluate(context, model, test_loader)
         record.end_epoch(epoch, state.step, train_loss, test_loss, test_accuracy, test_samples)
         if state.step >= last_step:
@@ -111,10 +109,9 @@ def main():
 def setup(args):
     """What the run is, read by every function below (common/utils.py's Context)."""
     utils.seed_everything(args.seed)
-    # torchrun tells each process its rank, its local rank (the GPU it drives) and the world size.
     distributed.default_to_a_world_of_one()  # [04] started by plain `python`
-    rank, local_rank, world_size = (int(os.environ[name])  # [04]
-                                    for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE"))  # [04]
+    # torchrun sets each process's rank, local rank (its GPU), world size; Context reads the rank.
+    local_rank, world_size = (int(os.environ[key]) for key in ("LOCAL_RANK", "WORLD_SIZE"))  # [04]
     device = torch.device(f"cuda:{local_rank}" if torch.cuda.is_available() else "cpu")  # [04]
     if device.type == "cuda":  # [02]
         distributed.require_one_gpu_per_process()  # [04]
@@ -129,19 +126,18 @@ def setup(args):
     # Groups of T ranks compute each layer, each rank with whole attention heads (T divides them);
     # world size / T replicas of the group split the batch (common/distributed.py).
     tp_size, replicas = distributed.tensor_parallel_layout(args, world_size)  # [09]
-    # Before the process group, whose timeout a slow download would outlast.
     if not args.synthetic:
         data.download_cifar10(args.data_dir)
     # The process group connects the processes for collectives (broadcast, all-reduce...): NCCL
-    # between GPUs, gloo between CPUs. After the checks of the flags: a rank that stops while others
-    # connect breaks their connections, and they fail with tracebacks instead of its one error line.
+    # between GPUs, gloo between CPUs. After the download, which its timeout could cut, and the
+    # checks: a rank that stops while others connect makes them fail with tracebacks.
     backend = "nccl" if device.type == "cuda" else "gloo"  # [04]
     dist.init_process_group(backend, timeout=distributed.TIMEOUT,  # [04]
                             device_id=device if backend == "nccl" else None)  # [04] NCCL: its GPU
     # rank = replica x tp_size + tp rank: a group's ranks are neighbours, on one machine, since
     # every layer communicates within the group; only FSDP2's few collectives cross machines.
     mesh = init_device_mesh(device.type, (replicas, tp_size), mesh_dim_names=("dp", "tp"))  # [09]
-    return utils.Context(args, device, flags.AMP_DTYPES[args.amp], rank, world_size, mesh)  # [09]
+    return utils.Context(args, device, amp_dtype=flags.AMP_DTYPES[args.amp], mesh=mesh)  # [09]
 
 
 def build_data(context):
@@ -154,8 +150,8 @@ def build_data(context):
     if args.batch_size > len(train_set):
         raise utils.UsageError(f"--batch-size {args.batch_size} is larger than the training set "
                                f"({len(train_set)})")
-    # Every replica shuffles alike and keeps every replicas-th sample: disjoint shares of the batch.
-    sampler = DistributedSampler(train_set, num_replicas=replicas, rank=replica,  # [04]
+    # One order per seed and epoch, that 04 deals out to its replicas: step i, the same samples.
+    sampler = DistributedSampler(train_set, num_replicas=replicas, rank=replica,  # [04] its share
                                  seed=args.seed, drop_last=True)  # [04]
     # Whole batches, cut and augmented on `device` in a few tensor ops (docs/data-and-model.md).
     train_loader = data.BatchLoader(train_set, batch_size, sampler=sampler, drop_last=True,  # [04]
@@ -230,7 +226,7 @@ def build_model(context):
     return model
 
 
-def train_one_epoch(context, state, loader, preemption):  # [04]
+def train_one_epoch(context, state, loader):
     """Train until the end of the epoch or the run's last step; returns the mean loss."""
     args, device, model = context.args, context.device, state.model
     model.train()
@@ -250,7 +246,8 @@ def train_one_epoch(context, state, loader, preemption):  # [04]
             logits = model(images)  # [09]
             loss = F.cross_entropy(logits, labels, reduction="none")  # [09]
             if args.label_smoothing:  # [09] loss_parallel takes none: its term from local parts
-                loss = loss + args.label_smoothing * smoothing_term(logits, labels)  # [09]
+                smoothing = distributed.smoothing_term(logits, labels)  # [09]
+                loss = loss + args.label_smoothing * smoothing  # [09]
             loss = loss.mean()  # [09]
             state.optimizer.zero_grad(set_to_none=True)  # [09]
             loss.backward()  # [09]
@@ -260,7 +257,7 @@ def train_one_epoch(context, state, loader, preemption):  # [04]
         state.step += 1
         loss_sum += loss.detach()
         at_end = state.step == state.last_step
-        stop = preemption.should_stop()  # [04] every rank, every step: none may stop alone
+        stop = distributed.should_stop()  # [04] every rank, every step: none may stop alone
         save_due = stop or args.save_every and (state.step % args.save_every == 0 or at_end)  # [04]
         # Reading the loss waits for the step to finish: every 10 steps, at the end, before a save.
         if state.step % 10 == 0 or at_end or save_due:
@@ -269,8 +266,8 @@ def train_one_epoch(context, state, loader, preemption):  # [04]
             progress.set_postfix(loss=f"{logged_loss:.3f}")
         if save_due:  # [07] every rank: its own shard
             save_checkpoint(context, state)
-        if stop:  # [04]
-            break  # [04]
+        if stop:  # [04] every rank stops after this step, saved: exit status 75
+            raise utils.Preempted(state.step, args.output_dir)  # [04]
     return distributed.all_reduce_mean(loss_sum).item() / max(end - done, 1)  # [04]
 
 
@@ -293,18 +290,6 @@ def evaluate(context, model, loader):
     return loss_sum / samples, correct / samples, int(samples)
 
 
-def smoothing_term(logits, labels):  # [09]
-    """ε times this is what --label-smoothing adds to each sample's loss: mean(-log p) - nll,
-    which is the label's logit minus the mean logit (log p = logit - logsumexp, logsumexp = nll +
-    the label's logit): one sum over the classes, which each rank takes over its own and DTensor
-    all-reduces."""  # [09]
-    classes = logits.shape[-1]  # [09]
-    # src_data_rank=None: every rank has the labels, none sends them.
-    one_hot = distribute_tensor(F.one_hot(labels, classes).to(logits.dtype),  # [09]
-                                logits.device_mesh, logits.placements, src_data_rank=None)  # [09]
-    return (logits * (one_hot - 1 / classes)).sum(-1)  # [09]
-
-
 def save_checkpoint(context, state):
     """Everything a resumed run needs to continue as if it had never stopped."""
     args, directory = context.args, os.path.join(context.args.output_dir, "checkpoints")  # [07]
@@ -324,9 +309,7 @@ def save_checkpoint(context, state):
         "seed": args.seed,
         "width": args.width,
     }, os.path.join(path, "train_state.pt"))  # [07]
-    # `latest` last, atomically: a crash mid-save leaves it naming the previous checkpoint.
-    utils.write_text(f"step{state.step}", os.path.join(directory, "latest"))  # [07]
-    utils.remove_other_checkpoints(directory, keep=f"step{state.step}")  # [07]
+    utils.commit_checkpoint(directory, f"step{state.step}")  # [07] `latest` names it, last
 
 
 def load_checkpoint(context, state):
@@ -349,4 +332,4 @@ def load_checkpoint(context, state):
 
 
 if __name__ == "__main__":
-    utils.run(main, skip_python_shutdown=True)  # [04] gloo's threads would abort Python's shutdown
+    utils.run(main)

@@ -9,6 +9,8 @@ from multiprocessing import resource_tracker
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed.tensor import distribute_tensor
 
 from common import models, utils
 from common.utils import UsageError
@@ -125,6 +127,19 @@ def tensor_parallel_layout(args, world_size):
     return tp_size, replicas
 
 
+def smoothing_term(logits, labels):
+    """Step 09's label smoothing under `loss_parallel`, which takes none: ε times this is what
+    --label-smoothing adds to each sample's loss, mean(-log p) - nll, which is the label's logit minus
+    the mean logit (log p = logit - logsumexp, logsumexp = nll + the label's logit). One sum over the
+    classes, which each rank of the tensor-parallel group takes over its own logits and DTensor
+    all-reduces."""
+    classes = logits.shape[-1]
+    # src_data_rank=None: every rank has the labels, none sends them.
+    one_hot = distribute_tensor(F.one_hot(labels, classes).to(logits.dtype), logits.device_mesh, logits.placements,
+                                src_data_rank=None)
+    return (logits * (one_hot - 1 / classes)).sum(-1)
+
+
 class Preemption:
     """SIGTERM or SIGUSR1 (a preemption, a scheduler's warning before a time limit) asks the run to stop.
 
@@ -161,6 +176,8 @@ class Preemption:
         # This run's from here on, before any signal can reach it: the waiting thread may take one at any time.
         first, Preemption._latest = Preemption._latest is None, self
         utils.STOP_REQUESTED.clear()  # a signal to an earlier run in this process is not this run's
+        utils.STOP_SIGNAL["name"] = None
+        utils.CATCHING_STOP_SIGNALS.set()  # utils.run ends the process with os._exit (its docstring says why)
         for number in self.STOP_SIGNALS:  # for a thread that started before the block below (imports start some)
             signal.signal(number, self._handle)
         # Processes started by spawn or forkserver (Python 3.14's default on Linux) need multiprocessing's resource
@@ -173,6 +190,7 @@ class Preemption:
 
     def _handle(self, number, frame=None):
         self.signal = self.signal or signal.Signals(number).name
+        utils.STOP_SIGNAL["name"] = self.signal
         utils.STOP_REQUESTED.set()
 
     @staticmethod
@@ -202,6 +220,24 @@ class Preemption:
             self.stopped = bool(sent_flag.item())
         self._sent = dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._group, async_op=True), flag
         return self.stopped
+
+
+def catch_stop_signals():
+    """From here on, SIGTERM and SIGUSR1 ask the run to stop at a step that every rank agrees on
+    (`Preemption`). First in `main()`: until then, either signal ends the process."""
+    Preemption()
+
+
+def connect_stop_flag():
+    """Create the stop flag's gloo group: every rank, right after `init_process_group`, so that a network
+    that gloo cannot use fails the job here, at its start."""
+    Preemption._latest.connect()
+
+
+def should_stop():
+    """True on every rank at the same step once any rank was asked to stop: the run saves a checkpoint
+    there and raises `utils.Preempted`. Every rank must call it, after every optimizer step."""
+    return Preemption._latest.should_stop()
 
 
 def remove_deepspeed_shared_memory():

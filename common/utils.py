@@ -33,8 +33,11 @@ class UsageError(Exception):
 
 
 BAD_INPUT_WAIT_SECONDS = 10  # how long a process that does not print the error line waits for the one that does
-# Set once this process is asked to stop: SIGTERM or SIGUSR1, caught by common.distributed.Preemption.
+# Set once this process is asked to stop: SIGTERM or SIGUSR1, caught by common.distributed.Preemption, which
+# also sets CATCHING_STOP_SIGNALS as it starts and records the first signal's name in STOP_SIGNAL.
 STOP_REQUESTED = threading.Event()
+CATCHING_STOP_SIGNALS = threading.Event()
+STOP_SIGNAL = {"name": None}
 
 PREEMPTED_EXIT_STATUS = 75  # sysexits.h's EX_TEMPFAIL: stopped before the end, to be continued
 
@@ -43,8 +46,8 @@ class Preempted(Exception):  # noqa: N818 a requested stop, not an error
     """SIGTERM or SIGUSR1 stopped the run at a step boundary, once every rank had saved its part of the
     checkpoint: reported as one `preempted:` line, then exit status 75; `--resume` continues."""
 
-    def __init__(self, preemption, step, output_dir):
-        super().__init__(f"{preemption.signal or 'a signal to another rank'} received; every rank stopped "
+    def __init__(self, step, output_dir):
+        super().__init__(f"{STOP_SIGNAL['name'] or 'a signal to another rank'} received; every rank stopped "
                          f"after step {step} and saved a checkpoint in {output_dir}: continue with --resume")
 
 
@@ -72,7 +75,12 @@ def _error_line(error):
     return None
 
 
-def run(main, skip_python_shutdown=False):
+def _skips_shutdown(setting):
+    """`run`'s skip_python_shutdown, its default (None) read once `main()` has run."""
+    return CATCHING_STOP_SIGNALS.is_set() if setting is None else setting
+
+
+def run(main, skip_python_shutdown=None):
     """Run a script's `main()`. Bad input (a UsageError, or a rendezvous that cannot start) ends the
     process with one `error:` line and exit status 2; a run stopped by a signal (`Preempted`), with one
     `preempted:` line and exit status 75; any other exception propagates with its traceback (with
@@ -89,14 +97,16 @@ def run(main, skip_python_shutdown=False):
     How the process ends. A gloo process group still alive when Python shuts down can abort the process
     after a run that succeeded ("terminate called without an active exception", SIGABRT): its threads may
     still release the last collective's tensors, and Python's shutdown stops any thread that asks for the
-    GIL by unwinding it through C++ code. So a group that `main()` left alive is destroyed here, and by
-    default the process then ends as any Python program does, `atexit` handlers included (logging,
+    GIL by unwinding it through C++ code. So a group that `main()` left alive is destroyed here, and with
+    `skip_python_shutdown=False` the process then ends as any Python program does, `atexit` handlers included (logging,
     TensorBoard and W&B flush there); the collector first frees wrappers caught in reference cycles
     (FSDP's), which hold the group. `tests/test_faults.py` runs a script that ends right after an
     all-reduce through this path.
 
     `skip_python_shutdown=True` ends the process with `os._exit` instead, once the output is flushed: no
-    `atexit` handler, no finalizer runs. The distributed steps use it, because a library can hold the
+    `atexit` handler, no finalizer runs. The default, None, is True in a process that catches the stop
+    signals (`distributed.catch_stop_signals()`, every distributed step) and False in the others. The
+    distributed steps need it, because a library can hold the
     group's threads beyond `destroy_process_group()` where the script cannot free them: 06, which
     ended normally after Accelerate's `end_training()`, aborted once in a CI run (3 processes, 2 cores).
     Nothing is lost: every file the steps write is complete and closed when `main()` returns. A script
@@ -140,11 +150,11 @@ def run(main, skip_python_shutdown=False):
             print(request.code, file=sys.stderr)  # sys.exit("message"), as Python would print it
         status = request.code if isinstance(request.code, int) else int(request.code is not None)
     except BaseException:
-        if not skip_python_shutdown:
+        if not _skips_shutdown(skip_python_shutdown):
             raise
         traceback.print_exc()  # under torchrun, `record` has written it to the error file too
         status = 1
-    if skip_python_shutdown:
+    if _skips_shutdown(skip_python_shutdown):
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(status)
@@ -243,6 +253,13 @@ def write_outputs(output_dir, weights, metrics):
 def write_text(text, path):
     """Write the string `text`, atomically."""
     _atomic_write(path, lambda file: file.write(text), "w")
+
+
+def commit_checkpoint(directory, name):
+    """Name the checkpoint `directory/name`, now complete, in `directory/latest` (atomically: a crash
+    mid-save leaves `latest` naming the previous one), then delete the older ones."""
+    write_text(name, os.path.join(directory, "latest"))
+    remove_other_checkpoints(directory, keep=name)
 
 
 def remove_other_checkpoints(directory, keep):
@@ -353,9 +370,16 @@ class Context:
     args: argparse.Namespace
     device: torch.device
     amp_dtype: torch.dtype | None = None  # 02 on: None is plain fp32
-    rank: int = 0
-    world_size: int = 1
+    rank: int | None = None  # None: the process group's (04 on), or 0 without one
+    world_size: int | None = None  # None: the process group's, or 1
     mesh: object = None  # a DeviceMesh (08, 09)
+
+    def __post_init__(self):
+        grouped = dist.is_available() and dist.is_initialized()
+        if self.rank is None:
+            self.rank = dist.get_rank() if grouped else 0
+        if self.world_size is None:
+            self.world_size = dist.get_world_size() if grouped else 1
 
     @property
     def replicas(self):

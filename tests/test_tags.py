@@ -18,7 +18,7 @@ TAG = re.compile(r"\[(\d\d)\]")
 LESSONS = {
     "02": ["torch.device(", "torch.autocast(", "GradScaler(", "scaler.scale(loss).backward()"],
     "03": ["nn.DataParallel(", "model.module.state_dict()"],
-    "04": ['for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE")', "torch.cuda.set_device(",
+    "04": ['for key in ("LOCAL_RANK", "WORLD_SIZE")', "torch.cuda.set_device(",
            "dist.init_process_group(", "DistributedSampler(", "sampler.set_epoch(", "DistributedDataParallel(",
            "dist.all_reduce(", "if context.rank == 0:", "dist.destroy_process_group()"],
     "05": ["deepspeed.initialize(", "model.backward(", "model.step()", "model.save_checkpoint(",
@@ -106,7 +106,7 @@ def test_grep_for_the_tag_prints_the_lesson(step):
 
 
 # One skeleton (README, "The tour"): these functions in this order in every step, so that a diff of two steps
-# lands in the same places; a step may add its own between them (09's smoothing_term).
+# lands in the same places; a step may add its own between them.
 SKELETON = ["parse_args", "main", "setup", "build_data", "build_model", "train_one_epoch", "evaluate",
             "save_checkpoint", "load_checkpoint"]
 MAIN_LINES, TRAIN_PARAMETERS, LINE_LENGTH = 60, 5, 100

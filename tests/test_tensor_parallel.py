@@ -5,7 +5,6 @@ Parity with 09 in a world of one, in float64, is in tests/test_parity.py, a kill
 tests/test_faults.py, bad input in tests/test_errors.py."""
 
 import datetime
-import importlib
 
 import pytest
 import torch
@@ -18,7 +17,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard, distribute_tensor
 from torch.distributed.tensor.parallel import loss_parallel
 
-from common import models
+from common import distributed, models
 
 pytestmark = pytest.mark.full  # the full tier: the quick tier holds 09 by its parity rows
 
@@ -57,8 +56,7 @@ def test_resume_mid_epoch_matches_uninterrupted_run(tmp_path):
 
 def label_smoothing_differences(rank):
     """|09's smoothed loss and its gradient - F.cross_entropy's with label_smoothing| on one rank of a tp group
-    of 2, in float64 (loss_parallel takes no label_smoothing: 09 adds its term, `smoothing_term`)."""
-    step = importlib.import_module(SCRIPT.removesuffix(".py"))
+    of 2, in float64 (loss_parallel takes no label_smoothing: 09 adds its term, `distributed.smoothing_term`)."""
     mesh = init_device_mesh("cpu", (2,))
     generator = torch.Generator().manual_seed(0)
     logits = torch.randn(6, 10, dtype=torch.float64, generator=generator, requires_grad=True)
@@ -68,7 +66,7 @@ def label_smoothing_differences(rank):
     sharded = distribute_tensor(logits.detach(), mesh, [Shard(1)]).requires_grad_()
     with loss_parallel():
         nll = F.cross_entropy(sharded, labels, reduction="none")
-        loss = (nll + SMOOTHING * step.smoothing_term(sharded, labels)).mean()
+        loss = (nll + SMOOTHING * distributed.smoothing_term(sharded, labels)).mean()
         loss.backward()
     return (abs(loss.full_tensor() - expected).item(), (sharded.grad.full_tensor() - logits.grad).abs().max().item())
 
