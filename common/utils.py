@@ -376,10 +376,10 @@ class Context:
 
     def __post_init__(self):
         grouped = dist.is_available() and dist.is_initialized()
-        if self.rank is None:
-            self.rank = dist.get_rank() if grouped else 0
+        if self.rank is None:  # frozen: set once, here
+            object.__setattr__(self, "rank", dist.get_rank() if grouped else 0)
         if self.world_size is None:
-            self.world_size = dist.get_world_size() if grouped else 1
+            object.__setattr__(self, "world_size", dist.get_world_size() if grouped else 1)
 
     @property
     def replicas(self):
