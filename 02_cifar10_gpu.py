@@ -82,7 +82,7 @@ def build_data(context):
     if args.batch_size > len(train_set):
         raise utils.UsageError(f"--batch-size {args.batch_size} is larger than the training set "
                                f"({len(train_set)})")
-    # One order per seed and epoch, that 04 deals out to its replicas: step i, the same samples.
+    # One order per seed and epoch; from 04 on, each replica keeps every replicas-th sample of it.
     sampler = DistributedSampler(train_set, num_replicas=1, rank=0, seed=args.seed)
     # Whole batches, cut and augmented on `device` in a few tensor ops (docs/data-and-model.md).
     train_loader = data.BatchLoader(train_set, args.batch_size, sampler=sampler, drop_last=True,

@@ -127,8 +127,8 @@ def build_data(context):
     if args.batch_size > len(train_set):
         raise utils.UsageError(f"--batch-size {args.batch_size} is larger than the training set "
                                f"({len(train_set)})")
-    # One order per seed and epoch, that 04 deals out to its replicas: step i, the same samples.
-    sampler = DistributedSampler(train_set, num_replicas=replicas, rank=replica,  # [04] its share
+    # One order per seed and epoch; from 04 on, each replica keeps every replicas-th sample of it.
+    sampler = DistributedSampler(train_set, num_replicas=replicas, rank=replica,  # [04]
                                  seed=args.seed, drop_last=True)  # [04]
     # Whole batches, cut and augmented on `device` in a few tensor ops (docs/data-and-model.md).
     train_loader = data.BatchLoader(train_set, batch_size, sampler=sampler, drop_last=True,  # [04]

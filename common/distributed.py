@@ -1,4 +1,5 @@
-"""Small distributed helpers. Each is also correct in a single process (world size 1)."""
+"""Small distributed helpers. Each is also correct in a single process (world size 1), except
+`smoothing_term`, which takes 09's logits split across a tensor-parallel group (DTensors)."""
 
 import contextlib
 import datetime
@@ -10,7 +11,6 @@ from multiprocessing import resource_tracker
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch.distributed.tensor import distribute_tensor
 
 from common import models, utils
 from common.utils import UsageError
@@ -133,6 +133,8 @@ def smoothing_term(logits, labels):
     the mean logit (log p = logit - logsumexp, logsumexp = nll + the label's logit). One sum over the
     classes, which each rank of the tensor-parallel group takes over its own logits and DTensor
     all-reduces."""
+    from torch.distributed.tensor import distribute_tensor  # DTensor: only 09 needs it
+
     classes = logits.shape[-1]
     # src_data_rank=None: every rank has the labels, none sends them.
     one_hot = distribute_tensor(F.one_hot(labels, classes).to(logits.dtype), logits.device_mesh, logits.placements,
@@ -211,7 +213,7 @@ class Preemption:
         flag = torch.tensor([self.signal is not None], dtype=torch.int32)
         if self._group is None:
             if dist.is_initialized():
-                raise RuntimeError("Preemption.connect() must follow init_process_group on every rank")
+                raise RuntimeError("distributed.connect_stop_flag() must follow init_process_group on every rank")
             self.stopped = bool(flag.item())
             return self.stopped
         if self._sent is not None:
@@ -224,20 +226,27 @@ class Preemption:
 
 def catch_stop_signals():
     """From here on, SIGTERM and SIGUSR1 ask the run to stop at a step that every rank agrees on
-    (`Preemption`). First in `main()`: until then, either signal ends the process."""
+    (`Preemption`). In `main()` once the flags are parsed, before `setup()`: until then, either signal
+    ends the process."""
     Preemption()
 
 
 def connect_stop_flag():
     """Create the stop flag's gloo group: every rank, right after `init_process_group`, so that a network
     that gloo cannot use fails the job here, at its start."""
-    Preemption._latest.connect()
+    _caught().connect()
 
 
 def should_stop():
     """True on every rank at the same step once any rank was asked to stop: the run saves a checkpoint
     there and raises `utils.Preempted`. Every rank must call it, after every optimizer step."""
-    return Preemption._latest.should_stop()
+    return _caught().should_stop()
+
+
+def _caught():
+    if Preemption._latest is None:
+        raise RuntimeError("call distributed.catch_stop_signals() first, in main()")
+    return Preemption._latest
 
 
 def remove_deepspeed_shared_memory():

@@ -83,8 +83,8 @@ def _skips_shutdown(setting):
 def run(main, skip_python_shutdown=None):
     """Run a script's `main()`. Bad input (a UsageError, or a rendezvous that cannot start) ends the
     process with one `error:` line and exit status 2; a run stopped by a signal (`Preempted`), with one
-    `preempted:` line and exit status 75; any other exception propagates with its traceback (with
-    `skip_python_shutdown`, the traceback is printed and the exit status is 1).
+    `preempted:` line and exit status 75; any other exception propagates with its traceback (when the
+    process ends with `os._exit`, below, the traceback is printed and the exit status is 1).
 
     Every process finds the same bad input (the checks are deterministic), and each exits: none is left
     waiting in a collective. torchrun (and `accelerate launch`, which runs it) collects every worker's
@@ -105,7 +105,8 @@ def run(main, skip_python_shutdown=None):
 
     `skip_python_shutdown=True` ends the process with `os._exit` instead, once the output is flushed: no
     `atexit` handler, no finalizer runs. The default, None, is True in a process that catches the stop
-    signals (`distributed.catch_stop_signals()`, every distributed step) and False in the others. The
+    signals (`distributed.catch_stop_signals()`, every distributed step, from that call on) and False in
+    the others: a script of yours with a process group that does not catch them passes True. The
     distributed steps need it, because a library can hold the
     group's threads beyond `destroy_process_group()` where the script cannot free them: 06, which
     ended normally after Accelerate's `end_training()`, aborted once in a CI run (3 processes, 2 cores).
