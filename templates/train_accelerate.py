@@ -117,7 +117,11 @@ def main():
     train_set, test_set = build_datasets()
     # Plain loaders: `prepare` shards them. The test loader's last batch is padded for an even split;
     # gather_for_metrics drops the padding again.
-    train_loader = DataLoader(train_set, args.batch_size, shuffle=True, drop_last=True, num_workers=args.num_workers)
+    # Spawned workers, once per run: one forked while a gloo or NCCL thread holds a lock of Python's can hang for ever.
+    # Each imports this file and unpickles the data set: define its class at the top level of a module.
+    train_loader = DataLoader(train_set, args.batch_size, shuffle=True, drop_last=True, num_workers=args.num_workers,
+                              multiprocessing_context="spawn" if args.num_workers else None,
+                              persistent_workers=args.num_workers > 0)
     test_loader = DataLoader(test_set, args.batch_size)  # split too: divisible by the processes
 
     model = build_model()
@@ -227,8 +231,7 @@ def latest_checkpoint(checkpoints, run, total_steps, rank):
     return latest[0]
 
 
-def saved(checkpoints, latest, keep):  # rank 0, once the checkpoint `latest` names is complete
-    # `latest.json` names it only now, through a temporary file: a crash leaves it naming a complete one.
+def saved(checkpoints, latest, keep):  # rank 0, once it is complete: a crash mid-save leaves latest.json naming the old
     (checkpoints / "latest.tmp").write_text(json.dumps(latest))
     os.replace(checkpoints / "latest.tmp", checkpoints / "latest.json")
     found = {int(match[1]): checkpoints / match[0] for path in checkpoints.iterdir()

@@ -112,8 +112,12 @@ def main():
     train_set, test_set = build_datasets()
     # Each rank keeps every world_size-th sample of one shuffle that every rank draws alike: disjoint shares.
     sampler = DistributedSampler(train_set, world_size, rank, shuffle=True, seed=args.seed, drop_last=True)
+    # Spawned workers, once per run: one forked while a gloo or NCCL thread holds a lock of Python's can hang for ever.
+    # Each imports this file and unpickles the data set: define its class at the top level of a module.
     train_loader = DataLoader(train_set, args.batch_size // world_size, sampler=sampler, drop_last=True,
-                              num_workers=args.num_workers, pin_memory=device.type == "cuda")
+                              num_workers=args.num_workers, pin_memory=device.type == "cuda",
+                              multiprocessing_context="spawn" if args.num_workers else None,
+                              persistent_workers=args.num_workers > 0)
     # Evaluation: a disjoint slice per rank. DistributedSampler would pad the slices with repeated samples.
     test_loader = DataLoader(Subset(test_set, range(rank, len(test_set), world_size)), 256)
 
@@ -239,8 +243,7 @@ def latest_checkpoint(checkpoints, run, total_steps, rank):
     return latest[0]
 
 
-def saved(checkpoints, latest, keep):  # rank 0, once the checkpoint `latest` names is complete
-    # `latest.json` names it only now, through a temporary file: a crash leaves it naming a complete one.
+def saved(checkpoints, latest, keep):  # rank 0, once it is complete: a crash mid-save leaves latest.json naming the old
     (checkpoints / "latest.tmp").write_text(json.dumps(latest))
     os.replace(checkpoints / "latest.tmp", checkpoints / "latest.json")
     found = {int(match[1]): checkpoints / match[0] for path in checkpoints.iterdir()

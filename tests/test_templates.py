@@ -66,20 +66,21 @@ def test_template_learns_and_counts_every_test_sample_once(name, nproc, finished
 # A user's data set in the DDP template's marked place, whose training samples write down the order they are read
 # in: each rank appends the indices it reads to a file of its own.
 RECORDING_DATA = """
+class Recorded(torch.utils.data.Dataset):
+    def __init__(self, size, record):
+        self.size, self.record = size, record
+
+    def __len__(self):
+        return self.size
+
+    def __getitem__(self, index):
+        if self.record:
+            with open(os.path.join(os.environ["RECORD_DIR"], f"rank{os.environ['RANK']}"), "a") as file:
+                file.write(f"{index}\\n")
+        return torch.full((3, 8, 8), float(index % 10)), index % 10
+
+
 def build_datasets():  # YOUR DATA
-    class Recorded(torch.utils.data.Dataset):
-        def __init__(self, size, record):
-            self.size, self.record = size, record
-
-        def __len__(self):
-            return self.size
-
-        def __getitem__(self, index):
-            if self.record:
-                with open(os.path.join(os.environ["RECORD_DIR"], f"rank{os.environ['RANK']}"), "a") as file:
-                    file.write(f"{index}\\n")
-            return torch.full((3, 8, 8), float(index % 10)), index % 10
-
     return Recorded(192, record=True), Recorded(10, record=False)
 """
 
@@ -279,16 +280,17 @@ def test_a_users_copy_runs_under_plain_python_and_its_librarys_launcher(name, tm
 
 # A user's data set that fails in the loader's worker process, in the middle of the first epoch.
 FAILING_DATA = """
+class Failing(torch.utils.data.Dataset):
+    def __len__(self):
+        return 192
+
+    def __getitem__(self, index):
+        if index == 100:
+            raise ValueError("a corrupt sample")
+        return torch.zeros(3, 8, 8), 0
+
+
 def build_datasets():  # YOUR DATA
-    class Failing(torch.utils.data.Dataset):
-        def __len__(self):
-            return 192
-
-        def __getitem__(self, index):
-            if index == 100:
-                raise ValueError("a corrupt sample")
-            return torch.zeros(3, 8, 8), 0
-
     return Failing(), Failing()
 """
 
