@@ -31,14 +31,7 @@ def parse_args():
     parser = flags.build_parser(__file__, __doc__, epochs=10, batch_size=256, lr=0.2)
     flags.add_cifar10_arguments(parser)
     flags.add_amp_argument(parser, fp16_cpu_refusal="05 runs DeepSpeed's fp16 on GPUs only")  # [05]
-    parser.add_argument("--zero-stage", type=int, choices=[0, 1, 2, 3],  # [05]
-                        help="default: the config's")  # [05]
-    parser.add_argument("--gradient_accumulation_steps", "--gradient-accumulation-steps",  # [05]
-                        metavar="N", type=flags.positive_int,  # [05]
-                        help="micro-batches per optimizer step (default: the config)")  # [05]
-    parser.add_argument("--deepspeed-config",  # [05]
-                        default=os.path.join(os.path.dirname(__file__), "ds_config.json"),  # [05]
-                        help="DeepSpeed's settings (default: this folder's ds_config.json)")  # [05]
+    flags.add_deepspeed_arguments(parser)  # [05] --zero-stage, accumulation, the config file
     return parser.parse_args()
 
 

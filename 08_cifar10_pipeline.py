@@ -38,13 +38,7 @@ def parse_args():
     parser = flags.build_parser(__file__, __doc__, epochs=10, batch_size=256, lr=0.2)
     flags.add_cifar10_arguments(parser)
     flags.add_amp_argument(parser)  # [02]
-    parser.add_argument("--stages", type=flags.positive_int,  # [08]
-                        help="pipeline stages (default: the most that divide the world "  # [08]
-                        "size, up to 5 and to --microbatches)")  # [08]
-    parser.add_argument("--microbatches", type=flags.positive_int, default=4,  # [08]
-                        help="per replica's batch")  # [08]
-    parser.add_argument("--schedule", choices=list(SCHEDULES), default="1f1b",  # [08]
-                        help="GPipe or 1F1B")  # [08]
+    flags.add_pipeline_arguments(parser, schedules=list(SCHEDULES))  # [08] --stages, --microbatches
     return parser.parse_args()
 
 

@@ -52,8 +52,7 @@ def parse_args():
     flags.add_cifar10_arguments(parser, model="vit")  # [09]
     flags.add_dropout_argument(parser)  # [09]
     flags.add_amp_argument(parser)  # [02]
-    parser.add_argument("--tp-size", type=flags.positive_int,  # [09]
-                        help="ranks per layer (default: 2, or 1 alone)")  # [09]
+    flags.add_tensor_parallel_argument(parser)  # [09] --tp-size
     return parser.parse_args()
 
 

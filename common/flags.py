@@ -137,3 +137,27 @@ def add_dropout_argument(parser):
     parser.add_argument("--no-dropout", action="store_true",
                         help="train without dropout, so that the result does not depend on the number of processes "
                              "(docs/parity.md)")
+
+
+def add_deepspeed_arguments(parser):
+    """Step 05's own flags. The command line wins where it and the DeepSpeed config both speak."""
+    parser.add_argument("--zero-stage", type=int, choices=[0, 1, 2, 3], help="default: the config's")
+    parser.add_argument("--gradient_accumulation_steps", "--gradient-accumulation-steps", metavar="N",
+                        type=positive_int, help="micro-batches per optimizer step (default: the config)")
+    repository = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    parser.add_argument("--deepspeed-config", default=os.path.join(repository, "ds_config.json"),
+                        help="DeepSpeed's settings (default: the repository's ds_config.json)")
+
+
+def add_pipeline_arguments(parser, schedules):
+    """Step 08's own flags: the pipeline's stages, micro-batches and schedule."""
+    parser.add_argument("--stages", type=positive_int,
+                        help="pipeline stages (default: the most that divide the world size, up to 5 and to "
+                             "--microbatches)")
+    parser.add_argument("--microbatches", type=positive_int, default=4, help="per replica's batch")
+    parser.add_argument("--schedule", choices=schedules, default="1f1b", help="GPipe or 1F1B")
+
+
+def add_tensor_parallel_argument(parser):
+    """Step 09's own flag: the tensor-parallel group's size."""
+    parser.add_argument("--tp-size", type=positive_int, help="ranks per layer (default: 2, or 1 alone)")
