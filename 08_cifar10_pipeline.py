@@ -81,17 +81,11 @@ def main():
             break
 
     metrics = record.metrics()  # wall_seconds ends here, before the final writes
-    # The first replica's stages send rank 0 their parts, on the CPU (not on another rank's GPU),
-    # with ResNet9's keys. A collective: every rank, outside the rank-0 branch. On gloo: under NCCL,
-    # gather_object would pad every rank's pickle to the largest and gather them onto rank 0's GPU.
-    part = {key: value.cpu() for key, value in model.state_dict().items()  # [08]
-            if context.replica == 0}  # [08]
-    parts = [None] * context.world_size if context.rank == 0 else None  # [08]
-    gather_group = dist.new_group(backend="gloo", timeout=distributed.TIMEOUT)  # [08]
-    dist.gather_object(part, parts, dst=0, group=gather_group)  # [08]
+    # The first replica's stages send rank 0 their parts, with ResNet9's keys: a collective, so
+    # every rank calls it, outside the rank-0 branch.
+    weights = distributed.gather_weights(model.state_dict(), send=context.replica == 0)  # [08]
     # One writer, and no collective in here: the other ranks would never join it.
     if context.rank == 0:  # [04]
-        weights = {key: value for stage_part in parts for key, value in stage_part.items()}  # [08]
         utils.write_outputs(args.output_dir, weights, metrics)  # [08]
     dist.barrier()  # [04] leave together: a rank that leaves while rank 0 writes can abort it
     dist.destroy_process_group()  # [04]
@@ -190,14 +184,8 @@ def train_one_epoch(context, state, loader, schedule):  # [08]
             # Every micro-batch's forward and backward, in the schedule's order; losses on the last.
             schedule.step(*[images] if stage.is_first else [], target=labels, losses=losses)  # [08]
         # The replicas average their gradients, as DDP does (DDP cannot wrap a stage:
-        # docs/pipeline-parallel.md), in one all-reduce: one collective per step, not per tensor.
-        gradients = [parameter.grad for parameter in stage.submod.parameters()]  # [08]
-        flat = torch.cat([gradient.flatten() for gradient in gradients])  # [08]
-        dist.all_reduce(flat, group=mesh["dp"].get_group())  # [08]
-        flat /= mesh["dp"].size()  # [08]
-        averaged = flat.split([gradient.numel() for gradient in gradients])  # [08]
-        for gradient, average in zip(gradients, averaged, strict=True):  # [08]
-            gradient.copy_(average.view_as(gradient))  # [08]
+        # docs/pipeline-parallel.md).
+        distributed.average_gradients(stage.submod, mesh["dp"].get_group())  # [08]
         state.optimizer.step()  # [08]
         state.scheduler.step()
         state.step += 1
@@ -235,9 +223,7 @@ def evaluate(context, model, loader, schedule):  # [08]
     for images, labels in loader:
         # Every batch keeps the first one's shape (inferred once per evaluation): pad the last one.
         count = len(labels)  # [08]
-        padding = images.new_zeros(batch_size - count, *images.shape[1:])  # [08]
-        images = torch.cat([images, padding])  # [08]
-        padded_labels = torch.cat([labels, labels.new_zeros(batch_size - count)])  # [08]
+        images, padded_labels = data.pad_batch(images, labels, batch_size)  # [08]
         with torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None):  # [02]
             # Forward passes only. The last stage gets the whole batch's logits, the others None.
             logits = schedule.eval(*[images] if stage.is_first else [],  # [08]

@@ -397,8 +397,16 @@ def equal_batches(dataset_size, world_size, rank, batch_size):
     at most `batch_size` long, and as many on every rank: a slice one sample shorter than another could
     otherwise need one batch fewer."""
     if dataset_size < world_size:
-        raise UsageError(f"the test set has {dataset_size} samples, fewer than the {world_size} processes")
+        raise UsageError(f"the test set has {dataset_size} samples, fewer than the {world_size} replicas that share it")
     longest_slice = math.ceil(dataset_size / world_size)
     count = min(math.ceil(longest_slice / batch_size), dataset_size // world_size)
     slice_size = len(range(rank, dataset_size, world_size))
     return [positions.tolist() for positions in torch.arange(slice_size).tensor_split(count)]
+
+
+def pad_batch(images, labels, size):
+    """`images` and `labels` with zeros appended up to `size` samples (08's pipeline schedule keeps the first
+    batch's shape for every batch)."""
+    missing = size - len(labels)
+    return (torch.cat([images, images.new_zeros(missing, *images.shape[1:])]),
+            torch.cat([labels, labels.new_zeros(missing)]))

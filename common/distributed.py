@@ -44,6 +44,28 @@ def broadcast_buffers(model, group=None):
         dist.broadcast(buffer, group=group, group_src=0)
 
 
+def average_gradients(module, group):
+    """What DDP does in backward, for a module that it cannot wrap (08's pipeline stage): average `module`'s
+    gradients over the ranks of `group`, in one all-reduce of them all, flattened (one collective per step,
+    not one per tensor). Every rank of the group must call it."""
+    gradients = [parameter.grad for parameter in module.parameters()]
+    flat = torch.cat([gradient.flatten() for gradient in gradients])
+    dist.all_reduce(flat, group=group)
+    flat /= dist.get_world_size(group)
+    for gradient, average in zip(gradients, flat.split([gradient.numel() for gradient in gradients]), strict=True):
+        gradient.copy_(average.view_as(gradient))
+
+
+def gather_weights(part, send):
+    """Rank 0 receives the state_dicts `part` of the ranks where `send` is true, merged into one, on the CPU;
+    the other ranks receive None. Every rank must call it. Through a gloo group of its own: under NCCL,
+    `gather_object` would pad every rank's pickle to the largest and gather them all onto rank 0's GPU."""
+    part = {key: value.cpu() for key, value in part.items()} if send else {}
+    parts = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+    dist.gather_object(part, parts, dst=0, group=dist.new_group(backend="gloo", timeout=TIMEOUT))
+    return {key: value for received in parts for key, value in received.items()} if parts else None
+
+
 # How often torchrun (--max-restarts) and Slurm (a requeued job) have started this job again.
 RESTART_COUNTS = ("TORCHELASTIC_RESTART_COUNT", "SLURM_RESTART_COUNT")
 
