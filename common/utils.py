@@ -175,8 +175,8 @@ def use_deterministic_kernels():
     """Only deterministic GPU kernels, so that two runs of one seed, and a run stopped and resumed, end
     with the same weights (`--resume` is exact).
 
-    By default cuDNN picks the fastest convolution algorithms, and some of them (and every kernel that
-    adds with atomics) round differently from run to run; training amplifies that within a few dozen
+    By default cuDNN chooses a convolution algorithm by heuristics, and it may be one that adds with atomics
+    (as other kernels do), which rounds differently from run to run; training amplifies that within a few dozen
     steps. `torch.use_deterministic_algorithms` picks deterministic kernels, and warns (`warn_only`: a
     model of your own keeps running) on an operation that has none; cuBLAS needs
     CUBLAS_WORKSPACE_CONFIG for it, set before its first use. The mode would also fill every

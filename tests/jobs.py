@@ -35,9 +35,9 @@ def with_default_workers(args):
     return args[:index] + args[index + 2:]
 
 
-# bf16 and fp16 on a CPU. A CPU without bf16 instructions (AVX2 only) emulates bf16 about 17 times slower
-# than fp32 (docs/mixed-precision.md), and most CPUs emulate fp16: a smoke run of ResNet-9 at its default
-# width took 100-145 s there.
+# bf16 and fp16 on a CPU. A CPU without bf16 instructions (AVX2 only) emulates bf16: with kernels held to AVX2,
+# 02's step ran 17 times slower in bf16 than in fp32 at the CPU's own kernels (docs/mixed-precision.md), and
+# most CPUs emulate fp16: a smoke run of ResNet-9 at its default width took 100-145 s there.
 # The 16-bit runs train it at half the width (a quarter of the FLOPs, still learning in SMOKE_STEPS steps),
 # under a timeout with room for a CPU twice as slow again.
 def sized_for(amp):

@@ -94,7 +94,7 @@ def cases(tmp, port):
             (python("01_cifar10_cpu.py", "--data-dir", absent, *out), {}, {str(absent): "DIR"}),
         "a `--data-dir` that is a file":
             (python("02_cifar10_gpu.py", "--data-dir", a_file, *out), {}, {str(a_file): "FILE"}),
-        "a world size larger than the test set in 05, 07 or 09 (every rank must run a test batch)":
+        "more replicas than test samples in 05, 07 or 09 (a replica: a process; in 09, a tensor-parallel group)":
             (torchrun(3, "05_cifar10_deepspeed.py", *SHORT_RUN_ARGS, "--data-dir", tiny_cifar10(tmp / "tiny", 48, 2),
                       *out), {}, {}),
         "`--resume` with no checkpoint":
@@ -135,7 +135,7 @@ FULL_TIER_ROWS = {
     "fewer `--microbatches` than `--stages` under 1F1B (08)",
     "`--microbatches` that do not divide a replica's share of the batch (08)",
     "`--tp-size` that does not divide the 4 attention heads (09)",
-    "a world size larger than the test set in 05, 07 or 09 (every rank must run a test batch)",
+    "more replicas than test samples in 05, 07 or 09 (a replica: a process; in 09, a tensor-parallel group)",
     "the rendezvous port in use (torchrun)",
     "the rendezvous port in use (deepspeed)",
 }
