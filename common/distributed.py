@@ -1,5 +1,6 @@
-"""Small distributed helpers. Each is also correct in a single process (world size 1), except
-`smoothing_term`, which takes 09's logits split across a tensor-parallel group (DTensors)."""
+"""Small distributed helpers. Each is also correct in a single process (a world of one; those that
+communicate then need a process group of one), except `smoothing_term`, which takes 09's logits split
+across a tensor-parallel group (DTensors)."""
 
 import contextlib
 import datetime
@@ -47,7 +48,7 @@ def broadcast_buffers(model, group=None):
 def average_gradients(module, group):
     """What DDP does in backward, for a module that it cannot wrap (08's pipeline stage): average `module`'s
     gradients over the ranks of `group`, in one all-reduce of them all, flattened (one collective per step,
-    not one per tensor). Every rank of the group must call it."""
+    not one per tensor). Every parameter must have a gradient; every rank of the group must call it."""
     gradients = [parameter.grad for parameter in module.parameters()]
     flat = torch.cat([gradient.flatten() for gradient in gradients])
     dist.all_reduce(flat, group=group)
@@ -62,7 +63,9 @@ def gather_weights(part, send):
     `gather_object` would pad every rank's pickle to the largest and gather them all onto rank 0's GPU."""
     part = {key: value.cpu() for key, value in part.items()} if send else {}
     parts = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
-    dist.gather_object(part, parts, dst=0, group=dist.new_group(backend="gloo", timeout=TIMEOUT))
+    group = dist.new_group(backend="gloo", timeout=TIMEOUT)
+    dist.gather_object(part, parts, dst=0, group=group)
+    dist.destroy_process_group(group)
     return {key: value for received in parts for key, value in received.items()} if parts else None
 
 
