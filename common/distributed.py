@@ -59,13 +59,12 @@ def average_gradients(module, group):
 
 def gather_weights(part, send):
     """Rank 0 receives the state_dicts `part` of the ranks where `send` is true, merged into one, on the CPU;
-    the other ranks receive None. Every rank must call it. Through a gloo group of its own: under NCCL,
-    `gather_object` would pad every rank's pickle to the largest and gather them all onto rank 0's GPU."""
+    the other ranks receive None. Every rank must call it, once per run: it creates a gloo group, which lives
+    as long as the process group (under NCCL, `gather_object` would pad every rank's pickle to the largest and
+    gather them all onto rank 0's GPU)."""
     part = {key: value.cpu() for key, value in part.items()} if send else {}
     parts = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
-    group = dist.new_group(backend="gloo", timeout=TIMEOUT)
-    dist.gather_object(part, parts, dst=0, group=group)
-    dist.destroy_process_group(group)
+    dist.gather_object(part, parts, dst=0, group=dist.new_group(backend="gloo", timeout=TIMEOUT))
     return {key: value for received in parts for key, value in received.items()} if parts else None
 
 
