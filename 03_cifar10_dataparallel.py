@@ -173,10 +173,7 @@ def save_checkpoint(context, state):
         "epoch": state.epoch,
         "step": state.step,
         "rng": utils.get_rng_state(),
-        "batch_size": args.batch_size,
-        "epochs": args.epochs,
-        "seed": args.seed,
-        "width": args.width,
+        **utils.resume_settings(args),  # the flags that a resumed run must share
     }, os.path.join(args.output_dir, "checkpoint.pt"))
 
 
@@ -184,8 +181,7 @@ def load_checkpoint(context, state):
     """Restore `save_checkpoint`'s state into `state`, and say where the run continues."""
     args, path = context.args, os.path.join(context.args.output_dir, "checkpoint.pt")
     checkpoint = utils.load_checkpoint(path, map_location=context.device)
-    utils.check_resumable(path, checkpoint, batch_size=args.batch_size, epochs=args.epochs,
-                          seed=args.seed, width=args.width)
+    utils.check_resumable(path, checkpoint, **utils.resume_settings(args))
     state.model.module.load_state_dict(checkpoint["model"])  # [03]
     state.optimizer.load_state_dict(checkpoint["optimizer"])
     state.scheduler.load_state_dict(checkpoint["scheduler"])

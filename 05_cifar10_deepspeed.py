@@ -244,10 +244,7 @@ def save_checkpoint(context, state):
         "epoch": state.epoch,
         "step": state.step,
         "rng": utils.get_rng_state(),
-        "batch_size": args.batch_size,
-        "epochs": args.epochs,
-        "seed": args.seed,
-        "width": args.width,
+        **utils.resume_settings(args),  # the flags that a resumed run must share
     })  # [05]
     # Our `latest`, not DeepSpeed's, which rank 0 writes before the other ranks have finished their
     # shards: after the final barrier, atomically (a crash mid-save leaves the previous one named).
@@ -261,8 +258,7 @@ def load_checkpoint(context, state):
     # One clear error, the same on every rank, for no checkpoint or shards of another world size.
     utils.check_zero_shards(directory, context.world_size)  # [05] see its docstring
     path, checkpoint = state.model.load_checkpoint(directory)  # [05] each rank reads its shard
-    utils.check_resumable(path, checkpoint, batch_size=args.batch_size, epochs=args.epochs,
-                          seed=args.seed, width=args.width)
+    utils.check_resumable(path, checkpoint, **utils.resume_settings(args))
     utils.set_rng_state(checkpoint["rng"])
     state.step, state.epoch = checkpoint["step"], checkpoint["epoch"]
     utils.report_resume(path, checkpoint)

@@ -203,9 +203,7 @@ def save_checkpoint(context, state, accelerator):  # [06]
     utils.save_atomic({
         "epoch": state.epoch,
         "step": state.step,
-        "batch_size": args.batch_size,
-        "epochs": args.epochs,
-        "seed": args.seed,
+        **utils.resume_settings(args),  # the flags that a resumed run must share
         "world_size": accelerator.num_processes,  # [06] one random state per process
     }, os.path.join(args.output_dir, "checkpoint.pt"))
     utils.remove_other_checkpoints(directory, keep=f"step{state.step}")  # [06]
@@ -215,8 +213,8 @@ def load_checkpoint(context, state, accelerator):  # [06]
     """Restore `save_checkpoint`'s state into `state`, and say where the run continues."""
     args, path = context.args, os.path.join(context.args.output_dir, "checkpoint.pt")
     checkpoint = utils.load_checkpoint(path, map_location=context.device)
-    utils.check_resumable(path, checkpoint, batch_size=args.batch_size, epochs=args.epochs,
-                          seed=args.seed, world_size=accelerator.num_processes)  # [06]
+    utils.check_resumable(path, checkpoint, **utils.resume_settings(args),  # [06]
+                          world_size=accelerator.num_processes)  # [06]
     step = f"step{checkpoint['step']}"  # [06]
     accelerator.load_state(os.path.join(args.output_dir, "checkpoints", step))  # [06]
     state.step, state.epoch = checkpoint["step"], checkpoint["epoch"]

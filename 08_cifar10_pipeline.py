@@ -264,10 +264,7 @@ def save_checkpoint(context, state):
         "epoch": state.epoch,
         "step": state.step,
         "rng": utils.get_rng_state(),
-        "batch_size": args.batch_size,
-        "epochs": args.epochs,
-        "seed": args.seed,
-        "width": args.width,
+        **utils.resume_settings(args),  # the flags that a resumed run must share
     }, os.path.join(path, "train_state.pt"))  # [08]
     utils.commit_checkpoint(directory, f"step{state.step}")  # [08] `latest` names it, last
 
@@ -278,8 +275,7 @@ def load_checkpoint(context, state):
     path = utils.latest_checkpoint(os.path.join(args.output_dir, "checkpoints"))  # [08]
     checkpoint = utils.load_checkpoint(os.path.join(path, "train_state.pt"),  # [08]
                                        map_location=context.device)  # [08]
-    utils.check_resumable(path, checkpoint, batch_size=args.batch_size, epochs=args.epochs,
-                          seed=args.seed, width=args.width)
+    utils.check_resumable(path, checkpoint, **utils.resume_settings(args))
     # Every rank reads its own stage's parameters and their optimizer state, whoever wrote them.
     model_state, optimizer_state = get_state_dict(model, state.optimizer,  # [08]
                                                   options=CHECKPOINT_OPTIONS)  # [08]

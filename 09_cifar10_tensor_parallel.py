@@ -303,10 +303,7 @@ def save_checkpoint(context, state):
         "epoch": state.epoch,
         "step": state.step,
         "rng": utils.get_rng_state(),
-        "batch_size": args.batch_size,
-        "epochs": args.epochs,
-        "seed": args.seed,
-        "width": args.width,
+        **utils.resume_settings(args),  # the flags that a resumed run must share
     }, os.path.join(path, "train_state.pt"))  # [07]
     utils.commit_checkpoint(directory, f"step{state.step}")  # [07] `latest` names it, last
 
@@ -317,8 +314,7 @@ def load_checkpoint(context, state):
     path = utils.latest_checkpoint(os.path.join(args.output_dir, "checkpoints"))  # [07]
     checkpoint = utils.load_checkpoint(os.path.join(path, "train_state.pt"),  # [07]
                                        map_location=context.device)  # [07]
-    utils.check_resumable(path, checkpoint, batch_size=args.batch_size, epochs=args.epochs,
-                          seed=args.seed, width=args.width)
+    utils.check_resumable(path, checkpoint, **utils.resume_settings(args))
     # Every rank reads the parts of the shards it now holds: a checkpoint loads at any world size.
     model_state, optimizer_state = get_state_dict(state.model, state.optimizer)  # [07] to fill
     dcp.load({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=path)  # [07]

@@ -319,15 +319,24 @@ def load_checkpoint(path, map_location):
 
 # Settings that check_resumable compares but that are not flags: how the error message names them.
 _NOT_FLAGS = {"world_size": "number of processes"}
+# The flags that a resumed run must share with its checkpoint: the batches (--batch-size, --seed), the schedule
+# (--epochs), the model's shapes and layers (--width, --norm).
+RESUME_SETTINGS = ("batch_size", "epochs", "seed", "width", "norm")
+
+
+def resume_settings(args):
+    """What a checkpoint records of the run that wrote it, and a resumed run must share: the step's flags
+    among RESUME_SETTINGS."""
+    return {name: getattr(args, name) for name in RESUME_SETTINGS if hasattr(args, name)}
 
 
 def check_resumable(path, checkpoint, **expected):
     """Refuse the checkpoint at `path` if it was written with settings that change the step -> batch mapping
     (or, where each process saves its own random state, the number of processes)."""
     for name, value in expected.items():
-        if checkpoint[name] != value:
+        if checkpoint.get(name) != value:  # None: a checkpoint that does not record it
             flag = _NOT_FLAGS.get(name, "--" + name.replace("_", "-"))
-            raise UsageError(f"{path} was written with {name}={checkpoint[name]}, this run has {value}; "
+            raise UsageError(f"{path} was written with {name}={checkpoint.get(name)}, this run has {value}; "
                              f"resume with the same {flag} or use a new --output-dir")
 
 

@@ -30,13 +30,16 @@ def test_fsdp_step(nproc, amp, request, tmp_path):
 
 def test_resume_mid_epoch_matches_uninterrupted_run(tmp_path):
     """Every rank saves and reloads its own shard of the weights and the optimizer state; `latest` names
-    the newest complete checkpoint, and the older ones are removed. Started again, the finished run stands."""
-    stopped, _ = check_exact_resume(lambda *args: forked(2, SCRIPT, *args, *SMALL_RESNET9), tmp_path, again=True)
+    the newest complete checkpoint, and the older ones are removed. Started again, the finished run stands;
+    with GroupNorm instead of its BatchNorm (whose affine weights DCP would load silently), it stops in one line."""
+    stopped, args = check_exact_resume(lambda *args: forked(2, SCRIPT, *args, *SMALL_RESNET9), tmp_path, again=True)
     checkpoints = stopped / "checkpoints"
     assert (checkpoints / "latest").read_text() == f"step{END_STEP}"
     assert sorted(path.name for path in checkpoints.iterdir()) == ["latest", f"step{END_STEP}"]
     shards = sorted(path.name for path in (checkpoints / f"step{END_STEP}").glob("*.distcp"))
     assert shards == ["__0_0.distcp", "__1_0.distcp"]  # one file per rank
+    other_norm = forked(2, SCRIPT, *args, *SMALL_RESNET9, "--norm", "group", "--resume", "--output-dir", stopped)
+    check_one_error(run_job(other_norm), "was written with norm=batch, this run has group")
 
 
 @pytest.mark.full
