@@ -199,7 +199,7 @@ def save_checkpoint(context, state):
         "epoch": state.epoch,
         "step": state.step,
         "rng": utils.get_rng_state(),
-        **utils.resume_settings(args),  # the flags that a resumed run must share
+        **utils.resume_settings(args),  # load_checkpoint refuses a resume with others
     }, os.path.join(args.output_dir, "checkpoint.pt"))
 
 

@@ -244,7 +244,7 @@ def save_checkpoint(context, state):
         "epoch": state.epoch,
         "step": state.step,
         "rng": utils.get_rng_state(),
-        **utils.resume_settings(args),  # the flags that a resumed run must share
+        **utils.resume_settings(args),  # load_checkpoint refuses a resume with others
     })  # [05]
     # Our `latest`, not DeepSpeed's, which rank 0 writes before the other ranks have finished their
     # shards: after the final barrier, atomically (a crash mid-save leaves the previous one named).
@@ -255,10 +255,9 @@ def save_checkpoint(context, state):
 def load_checkpoint(context, state):
     """Restore `save_checkpoint`'s state into `state`, and say where the run continues."""
     args, directory = context.args, os.path.join(context.args.output_dir, "checkpoints")  # [05]
-    # One clear error, the same on every rank, for no checkpoint or shards of another world size.
-    utils.check_zero_shards(directory, context.world_size)  # [05] see its docstring
+    # One clear error, on every rank, before DeepSpeed loads the weights (its docstring says which).
+    utils.check_deepspeed_checkpoint(directory, context.world_size, args)  # [05]
     path, checkpoint = state.model.load_checkpoint(directory)  # [05] each rank reads its shard
-    utils.check_resumable(path, checkpoint, **utils.resume_settings(args))
     utils.set_rng_state(checkpoint["rng"])
     state.step, state.epoch = checkpoint["step"], checkpoint["epoch"]
     utils.report_resume(path, checkpoint)

@@ -203,7 +203,7 @@ def save_checkpoint(context, state, accelerator):  # [06]
     utils.save_atomic({
         "epoch": state.epoch,
         "step": state.step,
-        **utils.resume_settings(args),  # the flags that a resumed run must share
+        **utils.resume_settings(args),  # load_checkpoint refuses a resume with others
         "world_size": accelerator.num_processes,  # [06] one random state per process
     }, os.path.join(args.output_dir, "checkpoint.pt"))
     utils.remove_other_checkpoints(directory, keep=f"step{state.step}")  # [06]

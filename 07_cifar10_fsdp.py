@@ -246,7 +246,7 @@ def save_checkpoint(context, state):
         "epoch": state.epoch,
         "step": state.step,
         "rng": utils.get_rng_state(),
-        **utils.resume_settings(args),  # the flags that a resumed run must share
+        **utils.resume_settings(args),  # load_checkpoint refuses a resume with others
     }, os.path.join(path, "train_state.pt"))  # [07]
     utils.commit_checkpoint(directory, f"step{state.step}")  # [07] `latest` names it, last
 

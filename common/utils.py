@@ -281,14 +281,22 @@ def latest_checkpoint(directory):
         return os.path.join(directory, file.read().strip())
 
 
-def check_zero_shards(directory, world_size):
-    """Refuse, on every rank alike, to resume without a checkpoint (`latest_checkpoint`'s error), or from
-    a DeepSpeed checkpoint whose ZeRO shards were written by another number of processes. DeepSpeed
-    re-partitions shards only through its universal checkpoint, and its converter (ds_to_universal, in
-    0.19.8) reads Adam's state alone: on SGD's it stops with KeyError: 'exp_avg'. Left to DeepSpeed, the
-    ranks without a shard fail with an assertion while the others report the mismatch. ZeRO-0 writes no
-    shard: every rank's copy of the optimizer state is whole, and any world size loads it."""
-    shards = glob.glob(os.path.join(latest_checkpoint(directory), "*_optim_states.pt"))
+def check_deepspeed_checkpoint(directory, world_size, args):
+    """Refuse, on every rank alike and before DeepSpeed loads anything (its strict load of another model's
+    weights ends in a traceback): no checkpoint (`latest_checkpoint`'s error), a checkpoint of other settings
+    than `args`' (`check_resumable`'s, from the client state that each model-states file holds), or ZeRO
+    shards written by another number of processes. DeepSpeed re-partitions shards only through its universal
+    checkpoint, and its converter (ds_to_universal, in 0.19.8) reads Adam's state alone: on SGD's it stops
+    with KeyError: 'exp_avg'. Left to DeepSpeed, the ranks without a shard fail with an assertion while the
+    others report the mismatch. ZeRO-0 writes no shard: every rank's copy of the optimizer state is whole,
+    and any world size loads it."""
+    path = latest_checkpoint(directory)
+    model_states = sorted(glob.glob(os.path.join(path, "*model_states.pt")))
+    if not model_states:
+        raise UsageError(f"checkpoint {path} is incomplete (no model states); delete it to start over")
+    # DeepSpeed's own file, which it loads unrestricted: it pickles more than tensors.
+    check_resumable(path, load_checkpoint(model_states[0], "cpu", weights_only=False), **resume_settings(args))
+    shards = glob.glob(os.path.join(path, "*_optim_states.pt"))
     if shards and len(shards) != world_size:
         raise UsageError(f"cannot resume from {directory} with {world_size} processes: its ZeRO shards were "
                          f"written by {len(shards)}, and DeepSpeed's universal checkpoint, which re-partitions "
@@ -306,12 +314,12 @@ def read_json(path, flag):
         raise UsageError(f"{flag} {path} is not valid JSON: {error}") from None
 
 
-def load_checkpoint(path, map_location):
+def load_checkpoint(path, map_location, weights_only=True):
     """`torch.load` with a clear error for a missing, truncated or corrupt checkpoint."""
     if not os.path.isfile(path):
         raise UsageError(f"--resume: no checkpoint at {path}; run once with --save-every first")
     try:
-        return torch.load(path, map_location=map_location, weights_only=True)
+        return torch.load(path, map_location=map_location, weights_only=weights_only)
     except Exception as error:
         reason = str(error).splitlines()[0] if str(error) else type(error).__name__
         raise UsageError(f"checkpoint {path} is corrupt or truncated ({reason}); delete it to start over") from None
@@ -331,12 +339,15 @@ def resume_settings(args):
 
 
 def check_resumable(path, checkpoint, **expected):
-    """Refuse the checkpoint at `path` if it was written with settings that change the step -> batch mapping
-    (or, where each process saves its own random state, the number of processes)."""
+    """Refuse the checkpoint at `path` if it was written with other values of RESUME_SETTINGS (the batches,
+    the schedule, the model's shapes and layers) or, where each process saves its own random state, by
+    another number of processes."""
     for name, value in expected.items():
-        if checkpoint.get(name) != value:  # None: a checkpoint that does not record it
-            flag = _NOT_FLAGS.get(name, "--" + name.replace("_", "-"))
-            raise UsageError(f"{path} was written with {name}={checkpoint.get(name)}, this run has {value}; "
+        flag = _NOT_FLAGS.get(name, "--" + name.replace("_", "-"))
+        if name not in checkpoint:  # written before checkpoints recorded it: no value to resume with
+            raise UsageError(f"{path} does not record its {flag}; use a new --output-dir")
+        if checkpoint[name] != value:
+            raise UsageError(f"{path} was written with {name}={checkpoint[name]}, this run has {value}; "
                              f"resume with the same {flag} or use a new --output-dir")
 
 

@@ -208,6 +208,8 @@ def test_checkpoint_from_other_settings_is_refused():
         utils.check_resumable("DIR/checkpoint.pt", {"batch_size": 256, "epochs": 10}, batch_size=128, epochs=10)
     with pytest.raises(utils.UsageError, match="same number of processes"):
         utils.check_resumable("DIR/checkpoint.pt", {"world_size": 2}, world_size=3)
+    with pytest.raises(utils.UsageError, match="does not record its --norm; use a new --output-dir"):
+        utils.check_resumable("DIR/checkpoint.pt", {"batch_size": 256}, batch_size=256, norm="batch")
 
 
 def test_model_is_the_documented_size_and_shape():

@@ -84,13 +84,16 @@ def test_resume_with_zero3_matches_uninterrupted_run(tmp_path):
     """Stopped and resumed (both mid-epoch) equals one go: every rank saves and reloads its own shard of
     the weights and the optimizer state, and `latest` names the newest complete checkpoint. With 2
     micro-batches per step, the resumed run skips twice as many micro-batches as steps. Started again, the
-    finished run stands."""
+    finished run stands; with GroupNorm instead of its BatchNorm, it stops in one line, before DeepSpeed's strict
+    load of the weights."""
     zero3 = [*ZERO3_PARTITIONED, "--zero-stage", 3, "--gradient_accumulation_steps", 2]
-    stopped, _ = check_exact_resume(lambda *args: forked(2, SCRIPT, *args, *zero3), tmp_path, again=True)
+    stopped, args = check_exact_resume(lambda *args: forked(2, SCRIPT, *args, *zero3), tmp_path, again=True)
     assert read_metrics(stopped)["zero_stage"] == 3  # the engine's own stage: --zero-stage overrides the config's 2
     checkpoints = stopped / "checkpoints"
     assert (checkpoints / "latest").read_text() == f"step{END_STEP}"
     assert [path.name for path in checkpoints.iterdir() if path.is_dir()] == [f"step{END_STEP}"]  # older ones removed
+    other_norm = forked(2, SCRIPT, *args, *zero3, "--norm", "group", "--resume", "--output-dir", stopped)
+    check_one_error(run_job(other_norm), "was written with norm=batch, this run has group; resume with the same --norm")
 
 
 @pytest.mark.full
