@@ -8,7 +8,8 @@ two runs that sum the same gradients in a different order differ by rounding, an
 max-pooling amplify that chaotically within a few steps; in float64 what remains of a difference
 is a difference in what the runs compute. benchmarks/parity.py uses this; so can a reader who
 wants to check their own change. 05 runs only with ZeRO-1 or 2 (DeepSpeed's ZeRO-0 and 3 refuse to
-reduce float64 gradients), and its optimizer still updates fp32 master weights.
+reduce float64 gradients), which all-reduce them in fp32 (DeepSpeed's default communication_data_type),
+and its optimizer still updates fp32 master weights.
 """
 
 import sys
