@@ -157,8 +157,8 @@ def build_data(context, config):  # [05]
                                     device=device, num_workers=args.num_workers)
     # A disjoint slice per replica: DistributedSampler would pad the slices, counting samples twice.
     test_shard = Subset(test_set, range(replica, len(test_set), replicas))  # [04]
-    # Under ZeRO-3 every forward pass gathers the weights from every rank, so every rank must run as
-    # many test batches as the others: each slice is cut into the same number of batches.
+    # Under ZeRO-3 a forward pass may gather weights from every rank, so every rank must run as many
+    # test batches as the others: each slice is cut into the same number of batches.
     test_batches = data.equal_batches(len(test_set), replicas, replica, batch_size)  # [05]
     test_loader = data.BatchLoader(test_shard, batch_sampler=test_batches, device=device,  # [05]
                                    num_workers=args.num_workers)
