@@ -245,6 +245,7 @@ def save_checkpoint(context, state):
         "step": state.step,
         "rng": utils.get_rng_state(),
         **utils.resume_settings(args),  # load_checkpoint refuses a resume with others
+        "zero_stage": state.model.zero_optimization_stage(),  # [05] another reads other files
     })  # [05]
     # Our `latest`, not DeepSpeed's, which rank 0 writes before the other ranks have finished their
     # shards: after the final barrier, atomically (a crash mid-save leaves the previous one named).
@@ -256,7 +257,7 @@ def load_checkpoint(context, state):
     """Restore `save_checkpoint`'s state into `state`, and say where the run continues."""
     args, directory = context.args, os.path.join(context.args.output_dir, "checkpoints")  # [05]
     # One clear error, on every rank, before DeepSpeed loads the weights (its docstring says which).
-    utils.check_deepspeed_checkpoint(directory, context.world_size, args)  # [05]
+    utils.check_deepspeed_checkpoint(directory, state.model, args)  # [05]
     path, checkpoint = state.model.load_checkpoint(directory)  # [05] each rank reads its shard
     utils.set_rng_state(checkpoint["rng"])
     state.step, state.epoch = checkpoint["step"], checkpoint["epoch"]

@@ -281,10 +281,11 @@ def latest_checkpoint(directory):
         return os.path.join(directory, file.read().strip())
 
 
-def check_deepspeed_checkpoint(directory, world_size, args):
-    """Refuse, on every rank alike and before DeepSpeed loads anything (its strict load of another model's
-    weights ends in a traceback): no checkpoint (`latest_checkpoint`'s error), a checkpoint of other settings
-    than `args`' (`check_resumable`'s, from the client state that each model-states file holds), or ZeRO
+def check_deepspeed_checkpoint(directory, engine, args):
+    """Refuse, on every rank alike and before DeepSpeed `engine` loads anything (its strict load of another
+    model's weights, or its search for another ZeRO stage's files, ends in a traceback): no checkpoint
+    (`latest_checkpoint`'s error), a checkpoint of other settings than `args`' or of another ZeRO stage
+    (`check_resumable`'s, from the client state that each model-states file holds), or ZeRO
     shards written by another number of processes. DeepSpeed re-partitions shards only through its universal
     checkpoint, and its converter (ds_to_universal, in 0.19.8) reads Adam's state alone: on SGD's it stops
     with KeyError: 'exp_avg'. Left to DeepSpeed, the ranks without a shard fail with an assertion while the
@@ -294,13 +295,14 @@ def check_deepspeed_checkpoint(directory, world_size, args):
     model_states = sorted(glob.glob(os.path.join(path, "*model_states.pt")))
     if not model_states:
         raise UsageError(f"checkpoint {path} is incomplete (no model states); delete it to start over")
-    # DeepSpeed's own file, which it loads unrestricted: it pickles more than tensors.
-    check_resumable(path, load_checkpoint(model_states[0], "cpu", weights_only=False), **resume_settings(args))
-    shards = glob.glob(os.path.join(path, "*_optim_states.pt"))
-    if shards and len(shards) != world_size:
+    # DeepSpeed loads it unrestricted; a restricted load would call an unusual but valid file corrupt.
+    checkpoint = load_checkpoint(model_states[0], "cpu", weights_only=False)
+    check_resumable(path, checkpoint, **resume_settings(args), zero_stage=engine.zero_optimization_stage())
+    written_by, world_size = checkpoint["dp_world_size"], engine.dp_world_size  # as DeepSpeed's loader reads it
+    if engine.zero_optimization_stage() > 0 and written_by != world_size:
         raise UsageError(f"cannot resume from {directory} with {world_size} processes: its ZeRO shards were "
-                         f"written by {len(shards)}, and DeepSpeed's universal checkpoint, which re-partitions "
-                         f"shards, converts Adam's state only, not SGD's; resume with {len(shards)} processes")
+                         f"written by {written_by}, and DeepSpeed's universal checkpoint, which re-partitions "
+                         f"shards, converts Adam's state only, not SGD's; resume with {written_by} processes")
 
 
 def read_json(path, flag):

@@ -99,12 +99,15 @@ def test_resume_with_zero3_matches_uninterrupted_run(tmp_path):
 @pytest.mark.full
 def test_zero3_checkpoint_refuses_another_world_size(tmp_path):
     """ZeRO-3's shards fit 2 processes only: DeepSpeed's universal checkpoint, which would re-partition them,
-    converts Adam's state only. 3 processes are refused, in one line."""
-    args = ["--data-dir", tiny_cifar10(tmp_path / "data", 96, 11), *SHORT_RUN_ARGS, "--epochs", 2, "--zero-stage", 3,
-            *SMALL_RESNET9, "--output-dir", tmp_path / "out"]
-    check_ok(launch("torchrun", 2, *args, "--max-steps", 4, "--save-every", 4))
-    result = run_job(torchrun(3, SCRIPT, *args, "--max-steps", 8, "--resume"), timeout=120)
+    converts Adam's state only. 3 processes are refused, in one line; so is another ZeRO stage, whose files
+    DeepSpeed would look for in vain."""
+    same = ["--data-dir", tiny_cifar10(tmp_path / "data", 96, 11), *SHORT_RUN_ARGS, "--epochs", 2, *SMALL_RESNET9,
+            "--output-dir", tmp_path / "out"]
+    check_ok(launch("torchrun", 2, *same, "--zero-stage", 3, "--max-steps", 4, "--save-every", 4))
+    result = run_job(torchrun(3, SCRIPT, *same, "--zero-stage", 3, "--max-steps", 8, "--resume"), timeout=120)
     check_one_error(result, "with 3 processes: its ZeRO shards were written by 2", "not SGD's")
+    result = run_job(torchrun(2, SCRIPT, *same, "--zero-stage", 2, "--max-steps", 8, "--resume"), timeout=120)
+    check_one_error(result, "was written with zero_stage=3, this run has 2; resume with the same --zero-stage")
 
 
 @pytest.mark.full
