@@ -235,9 +235,9 @@ def evaluate(context, model, loader):
 
 def save_checkpoint(context, state):
     """Everything a resumed run needs to continue as if it had never stopped."""
-    # Every rank must call this: each writes its own shard of the optimizer state (under ZeRO-3 also
-    # of the weights), with barriers inside; rank 0 alone would hang. The engine saves the weights,
-    # optimizer, schedule and loss scale; the client state is the rest.
+    # Every rank must call this: barriers inside, and under ZeRO-1 to 3 each rank writes its
+    # shard of the optimizer state (ZeRO-3: of the weights too); rank 0 alone would hang. The
+    # engine saves the weights, optimizer, schedule and loss scale; the client state is the rest.
     args, directory = context.args, os.path.join(context.args.output_dir, "checkpoints")  # [05]
     tag = f"step{state.step}"  # [05]
     state.model.save_checkpoint(directory, tag=tag, save_latest=False, client_state={  # [05]
