@@ -297,9 +297,10 @@ def check_deepspeed_checkpoint(directory, engine, args):
         raise UsageError(f"checkpoint {path} is incomplete (no model states); delete it to start over")
     # DeepSpeed loads it unrestricted; a restricted load would call an unusual but valid file corrupt.
     checkpoint = load_checkpoint(model_states[0], "cpu", weights_only=False)
-    check_resumable(path, checkpoint, **resume_settings(args), zero_stage=engine.zero_optimization_stage())
+    stage = engine.zero_optimization_stage()
+    check_resumable(path, checkpoint, **resume_settings(args), zero_stage=stage)
     written_by, world_size = checkpoint["dp_world_size"], engine.dp_world_size  # as DeepSpeed's loader reads it
-    if engine.zero_optimization_stage() > 0 and written_by != world_size:
+    if stage > 0 and written_by != world_size:
         raise UsageError(f"cannot resume from {directory} with {world_size} processes: its ZeRO shards were "
                          f"written by {written_by}, and DeepSpeed's universal checkpoint, which re-partitions "
                          f"shards, converts Adam's state only, not SGD's; resume with {written_by} processes")

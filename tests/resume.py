@@ -2,7 +2,7 @@
 
 from data_dirs import tiny_cifar10
 from jobs import SHORT_RUN_ARGS, run_job
-from outputs import assert_same_weights, check_ok, read_metrics, resumed_steps
+from outputs import assert_same_weights, check_ok, check_one_error, read_metrics, resumed_steps
 
 # A small data set, 10 steps of 24 samples per epoch, for two epochs: the first run stops in the
 # middle of epoch 1, between two checkpoints; the resumed run crosses into epoch 2.
@@ -41,3 +41,10 @@ def check_a_finished_run_stands(launch, args, output_dir, env=None):
     assert again.stdout.count(said) == 1, again.stdout  # rank 0 alone says it
     assert resumed_steps(again.stdout) == [END_STEP]
     assert {name: (output_dir / name).read_bytes() for name in before} == before
+
+
+def check_another_norm_is_refused(launch, args, output_dir):
+    """A checkpoint of BatchNorm resumed with GroupNorm stops in one line, before any weight loads (DCP would
+    load BatchNorm's affine weights into GroupNorm without a word, DeepSpeed's strict load with a traceback)."""
+    refused = run_job(launch(*args, "--norm", "group", "--resume", "--output-dir", output_dir))
+    check_one_error(refused, "was written with norm=batch, this run has group; resume with the same --norm")
