@@ -54,6 +54,9 @@ def free_port():
 
 
 def _run_in_group(rank, function, world_size, port, timeout, queue):
+    # One thread: a child forked after its parent ran a parallel CPU kernel (a matrix product, in a test
+    # before this one) hangs in its first parallel region, whose thread pool it inherited as a stale copy.
+    torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
                             timeout=timeout)
     queue.put((rank, function(rank)))
