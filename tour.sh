@@ -9,7 +9,8 @@ gpus=$(python -c "import torch; print(torch.cuda.device_count())")
 procs=$((gpus > 0 ? gpus : 2))  # one process per GPU; without GPUs, 2 CPU processes
 # The deepspeed launcher, unlike torchrun, leaves every process all the cores: share them out.
 threads=${OMP_NUM_THREADS:-$(( $(nproc) / procs > 0 ? $(nproc) / procs : 1 ))}
-args=(--synthetic --epochs 2 --batch-size 64 --lr 0.1)
+# Every step at its own defaults (its learning rate scaled to this batch), for 2 short epochs.
+args=(--synthetic --epochs 2 --batch-size 64)
 
 python 01_cifar10_cpu.py "${args[@]}"
 python 02_cifar10_gpu.py "${args[@]}"

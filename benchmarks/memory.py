@@ -7,7 +7,7 @@ process holds under DDP (04), DeepSpeed's ZeRO-0 to 3 (05), FSDP2 (07), pipeline
 Each method's real step runs under torchrun (gloo on CPUs, NCCL on GPUs) at each world size, on the synthetic
 data, in fp32, with a global batch of 24, behind this file (`--worker`), which adds hooks that PyTorch calls
 for every torch optimizer (DeepSpeed's inner one and FSDP2's too) and every module. At the second optimizer
-step, when the first step's momentum exists and the second step's gradients are ready, each rank counts the
+step, when the first step's optimizer state exists and the second step's gradients are ready, each rank counts the
 tensors it holds, each storage once: the model's parameters as this rank holds them (its shard of a DTensor,
 its partition of a ZeRO-3 parameter), their gradients, and the optimizer's state. DeepSpeed's optimizer updates
 an fp32 copy of this rank's partition of the weights (master weights): counted with the optimizer state, as the
@@ -46,7 +46,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook, register_op
 sys.path.insert(0, str(launch.ROOT))  # common/ is beside benchmarks/
 from common import models  # noqa: E402
 
-# The optimizer step at which each rank counts what it holds: the first step's momentum and the second's gradients.
+# The optimizer step at which each rank counts what it holds: the first step's optimizer state, the second's gradients.
 MEASURED_STEP = 2
 # Every run: the synthetic data, fp32 (no --amp), a global batch that 1, 2 and 4 processes divide; it ends at the
 # measured step.
@@ -66,9 +66,11 @@ WORLD_SIZES = [1, 2, 4]
 PARAMETERS = {name: sum(parameter.numel() for parameter in model.parameters())
               for name, model in (("ResNet-9", models.ResNet9()), ("ViT", models.VisionTransformer()))}
 FP32 = 4  # bytes per weight and per gradient: every run is fp32
-# K, the optimizer's bytes per parameter: SGD's momentum buffer, and under DeepSpeed's ZeRO-1 to 3 the fp32 copy
-# of the weights that its optimizer updates (the ZeRO paper counts that copy in K: 12 for mixed-precision Adam).
+# K, the optimizer's bytes per parameter: SGD's momentum buffer; AdamW's two moments (09); under DeepSpeed's ZeRO-1
+# to 3, the momentum and the fp32 copy of the weights that its optimizer updates (the ZeRO paper counts that copy
+# in K: 12 for mixed-precision Adam).
 MOMENTUM_K = 4
+ADAMW_K = 8
 DEEPSPEED_K = 8
 MB = 1e6
 LAUNCH_TIMEOUT = 600  # seconds for one method at one world size (DeepSpeed at 4 processes: about 40 s on 2 cores)
@@ -90,6 +92,8 @@ def model_of(method):
 
 
 def optimizer_k(method):
+    if method == "tensor parallel":
+        return ADAMW_K
     return DEEPSPEED_K if method in ("ZeRO-1", "ZeRO-2", "ZeRO-3") else MOMENTUM_K
 
 
@@ -354,7 +358,7 @@ def machine():
         names = re.findall(r"^model name\s*:\s*(.+)$", Path("/proc/cpuinfo").read_text(), re.M)
         device = f"{names[0] if names else 'CPU'} ({os.cpu_count()} cores)"
     return (f"{device}, torch {torch.__version__}, DeepSpeed {importlib.metadata.version('deepspeed')}, "
-            f"synthetic data, fp32, global batch 24, SGD with momentum")
+            f"synthetic data, fp32, global batch 24, SGD with momentum (09: AdamW)")
 
 
 def megabytes(value):
@@ -374,7 +378,8 @@ def table(records):
                          ("master_weight_bytes", 9), ("buffer_bytes", 10), ("peak_bytes", 10),
                          ("formula_bytes", 9), ("build_peak_bytes", 9))))
     lines.append(f"Ψ = {PARAMETERS['ResNet-9']:,} (ResNet-9), {PARAMETERS['ViT']:,} (09's vision transformer); "
-                 f"K = {MOMENTUM_K} (SGD's momentum), {DEEPSPEED_K} under ZeRO-1 to 3 (and the fp32 master weights)")
+                 f"K = {MOMENTUM_K} (SGD's momentum), {ADAMW_K} for 09's AdamW (two moments) and under ZeRO-1 to 3 "
+                 "(the momentum and the fp32 master weights)")
     lines.append(f"buffers of {SMALL / 1000:.0f} KB or more, on rank 0 (MB):")
     for record in records:
         large = {path: size for path, size in (record["buffers"] or {}).items() if size >= SMALL}
@@ -450,8 +455,8 @@ def draw(records, output):
                     "ZeRO-2, (4 + 4 + K)·Ψ/N ZeRO-3, FSDP2, and an even split for 08 and 09; above the bars, in MB: "
                     "the buffers and the peak\n"
                     f"Ψ = {PARAMETERS['ResNet-9']:,} (ResNet-9), {PARAMETERS['ViT']:,} (09's vision transformer); "
-                    f"K = {MOMENTUM_K} (SGD's momentum), {DEEPSPEED_K} under ZeRO-1 to 3 (and DeepSpeed's fp32 "
-                    f"master weights)", fontsize=9)
+                    f"K = {MOMENTUM_K} (SGD's momentum), {ADAMW_K} for 09's AdamW (two moments) and under ZeRO-1 to 3 "
+                    "(the momentum and DeepSpeed's fp32 master weights)", fontsize=9)
     figure.tight_layout(rect=(0, 0.05, 1, 1))
     figure.savefig(output, dpi=90)
 

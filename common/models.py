@@ -160,15 +160,17 @@ class VisionTransformer(nn.Module):
         # The same rate as the head of ViT's recipe for small data sets; dropout=False: see MnistCNN.
         self.blocks = nn.ModuleList(Block(width, heads, 0.1 if dropout else 0.0) for _ in range(depth))
         self.norm = nn.LayerNorm(width)
-        self.head = nn.Linear(width, num_classes)
+        # A weight for every feature of every token: the class is which colours lie where in the image, and a
+        # head on the mean token would see the colours without their places.
+        self.head = nn.Linear(self.embedding.position.shape[1] * width, num_classes)
 
     def forward(self, images):
         x = self.embedding(images)
         for block in self.blocks:
             x = block(x)
-        # Each token's logits, averaged: the head is linear, so this equals classifying the mean token, and it
-        # lets tensor parallelism (step 09) gather the tokens and split the classes in the head's own layer.
-        return self.head(self.norm(x)).mean(dim=1)
+        # (batch, tokens x width): each token's features in a block of their own, so that under tensor
+        # parallelism (step 09) the ranks' slices of tokens are slices of the head's input.
+        return self.head(self.norm(x).flatten(1))
 
 
 class MnistCNN(nn.Module):

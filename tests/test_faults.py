@@ -13,7 +13,7 @@ import signal
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-from jobs import MNIST_LR, SYNTHETIC_ARGS, catches, loader_workers, run_job, with_default_workers, workers
+from jobs import MNIST_LR, SYNTHETIC_ARGS, VIT_LR, catches, loader_workers, run_job, with_default_workers, workers
 from launch import ROOT, forked, python, torchrun
 from outputs import assert_same_weights, check_ok, check_signalled_torchrun, resumed_steps, saved_step, trained_once
 
@@ -45,7 +45,7 @@ STEPS = {
     "06_mnist_accelerate.py": (MNIST_LR, saved_step),
     "07_cifar10_fsdp.py": (HALF_WIDTH["resnet9"], latest_step),
     "08_cifar10_pipeline.py": (HALF_WIDTH["resnet9"], latest_step),
-    "09_cifar10_tensor_parallel.py": (HALF_WIDTH["vit"], latest_step),
+    "09_cifar10_tensor_parallel.py": ([*HALF_WIDTH["vit"], *VIT_LR], latest_step),
 }
 
 

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 from data_dirs import tiny_cifar10, tiny_mnist
-from jobs import MNIST_LR, SMOKE_ARGS, SMOKE_STEPS, run_job
+from jobs import MNIST_LR, SMOKE_ARGS, SMOKE_STEPS, VIT_LR, run_job
 from launch import ON_GPU, SCRIPTS, python, torchrun
 from outputs import check_ok, check_smoke_run
 from resume import check_exact_resume
@@ -37,7 +37,7 @@ STEPS = {
     "06": lambda *args: python(SYNC_DEBUG, "06_mnist_accelerate.py", *args, *MNIST_LR),
     "07": lambda *args: python(SYNC_DEBUG, "07_cifar10_fsdp.py", *args),
     "08": lambda *args: python(SYNC_DEBUG, "08_cifar10_pipeline.py", *args),
-    "09": lambda *args: python(SYNC_DEBUG, "09_cifar10_tensor_parallel.py", *args),
+    "09": lambda *args: python(SYNC_DEBUG, "09_cifar10_tensor_parallel.py", *args, *VIT_LR),
 }
 # 08 and 09 train in bf16 only: they refuse fp16, whose skipped steps every stage or tensor-parallel rank
 # would have to skip together.

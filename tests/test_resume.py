@@ -3,7 +3,7 @@
 import parity
 import pytest
 from data_dirs import tiny_cifar10
-from jobs import SMALL_RESNET9, run_job
+from jobs import SMALL_RESNET9, VIT_LR, run_job
 from launch import forked, python
 from outputs import check_ok, load_state, read_metrics, resumed_steps
 from resume import END_STEP, check_exact_resume
@@ -46,7 +46,7 @@ def test_fp16_resumes_with_its_loss_scale(step, tmp_path):
     ("04_cifar10_ddp.py", 2, 3, ["--norm", "group"]),
     ("07_cifar10_fsdp.py", 2, 3, ["--norm", "group"]),
     # tp 2 x dp 2, resumed by tp 2 alone (docs/tensor-parallel.md); parity.md's options for the transformer.
-    ("09_cifar10_tensor_parallel.py", 4, 2, ["--no-dropout", "--width", 32]),
+    ("09_cifar10_tensor_parallel.py", 4, 2, ["--no-dropout", "--width", 32, *VIT_LR]),
 ])
 def test_resume_with_another_world_size_continues_the_same_run(script, saved_at, resumed_at, options, tmp_path):
     """04's checkpoint holds the whole training state, 07's and 09's sharded ones are resplit across the ranks

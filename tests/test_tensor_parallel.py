@@ -9,7 +9,7 @@ import datetime
 import pytest
 import torch
 import torch.nn.functional as F
-from jobs import SMALL_VIT, SYNTHETIC_ARGS, run_job
+from jobs import SMALL_VIT, SMOKE_STEPS, SYNTHETIC_ARGS, VIT_LR, run_job
 from launch import forked, in_local_processes, torchrun
 from outputs import check_ok, check_outputs, check_smoke_run, read_metrics
 from resume import END_STEP, check_exact_resume
@@ -22,10 +22,7 @@ from common import distributed, models
 pytestmark = pytest.mark.full  # the full tier: the quick tier holds 09 by its parity rows
 
 SCRIPT = "09_cifar10_tensor_parallel.py"
-# The vision transformer learns more slowly than ResNet-9 on the synthetic data: after 30 steps its accuracy is
-# 0.26-0.28, after 60 steps at this rate 0.31 (measured in a world of one and at 2 processes).
-SMOKE_STEPS = 60
-RUN_ARGS = [*SYNTHETIC_ARGS, "--lr", 0.05]
+RUN_ARGS = [*SYNTHETIC_ARGS, *VIT_LR]
 SMOOTHING = 0.1
 
 
@@ -48,7 +45,7 @@ def test_resume_mid_epoch_matches_uninterrupted_run(tmp_path):
     """tp 2 x dp 2, with dropout: each rank writes its shards of the weights and optimizer state, the masks
     come from (seed, step, rank), so the resumed run drops what the uninterrupted run dropped. Started again,
     the finished run stands."""
-    stopped, _ = check_exact_resume(lambda *args: forked(4, SCRIPT, *args, *SMALL_VIT), tmp_path, again=True)
+    stopped, _ = check_exact_resume(lambda *args: forked(4, SCRIPT, *args, *SMALL_VIT, *VIT_LR), tmp_path, again=True)
     checkpoints = stopped / "checkpoints"
     assert (checkpoints / "latest").read_text() == f"step{END_STEP}"
     assert sorted(path.name for path in checkpoints.iterdir()) == ["latest", f"step{END_STEP}"]
