@@ -64,7 +64,7 @@ def main():
     distributed.connect_stop_flag()  # [04] its own gloo group: fails here if gloo has no network
     train_set, sampler, train_loader, test_loader = build_data(context)
     model = build_model(context)
-    # A transformer trains with AdamW: SGD's one step size suits its layers badly (docs/tensor-parallel.md).
+    # AdamW, as transformers train: each weight's step divided by the running size of its gradients.
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.05)  # [09]
     total_steps = args.epochs * len(train_loader)
     scheduler = torch.optim.lr_scheduler.OneCycleLR(optimizer, args.lr, total_steps=total_steps)
@@ -201,10 +201,8 @@ def build_model(context):
         "embedding": PrepareModuleOutput(output_layouts=Replicate(),  # [09]
                                          desired_output_layouts=Shard(1)),  # [09]
         "norm": SequenceParallel(),  # [09]
-        # The head's input is every token's features in a row: a rank's tokens are a slice of it. Rowwise,
-        # each rank's logits are its tokens' partial sums; the group adds them and keeps them split by
-        # class for loss_parallel (below): a reduce-scatter, and the tokens are never gathered.
-        "head": RowwiseParallel(input_layouts=Shard(-1), output_layouts=Shard(-1),  # [09]
+        # The head gathers the tokens and keeps its logits split by class for loss_parallel (below).
+        "head": ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1),  # [09]
                                 use_local_output=False),  # [09]
     })  # [09]
     # Each block, then the root (the rest), becomes one FSDP unit across the replicas, as in 07:

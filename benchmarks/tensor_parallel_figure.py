@@ -16,6 +16,7 @@ import argparse
 import datetime
 import functools
 import sys
+import warnings
 from collections import namedtuple
 from pathlib import Path
 
@@ -136,7 +137,10 @@ def measure(rank, tp_size):
     fully_shard(model, mesh=mesh["dp"])
     images, labels = torch.randn(BATCH, 3, 32, 32), torch.arange(BATCH)
     groups = {mesh[dim].get_group().group_name: dim for dim in ("dp", "tp")}
-    with OrderedCommDebugMode(groups, log) as mode:
+    with OrderedCommDebugMode(groups, log) as mode, warnings.catch_warnings():
+        # Under CommDebugMode, a dispatch mode, the model's logits come back as a view of a tensor, and FSDP2
+        # warns against changing them in place, which this script does not do.
+        warnings.filterwarnings("ignore", "FSDP2-wrapped module", UserWarning)
         with loss_parallel():
             F.cross_entropy(model(images), labels).backward()
     assert mode.get_total_counts() == sum(isinstance(event, Collective) for event in log)

@@ -26,7 +26,7 @@ SMOKE_STEPS = 30
 SMOKE_ARGS = [*SYNTHETIC_ARGS, "--max-steps", str(SMOKE_STEPS)]
 # 06's CNN has no normalisation layers: SGD needs a smaller step than ResNet-9's at this small batch.
 MNIST_LR = ["--lr", "0.05"]
-# 09's AdamW moves every weight by up to its step size: 0.1, SGD's rate above, would throw the transformer about.
+# 09's AdamW moves every weight by about its step size: 0.1, SGD's rate above, would throw the transformer about.
 VIT_LR = ["--lr", "1e-3"]
 
 
