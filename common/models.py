@@ -160,8 +160,8 @@ class VisionTransformer(nn.Module):
         # The same rate as the head of ViT's recipe for small data sets; dropout=False: see MnistCNN.
         self.blocks = nn.ModuleList(Block(width, heads, 0.1 if dropout else 0.0) for _ in range(depth))
         self.norm = nn.LayerNorm(width)
-        # A weight for every feature of every token, each place with its own: a synthetic image's class is which
-        # colour lies where, and this head learns it in far fewer steps than one on the mean token (ViT's).
+        # A weight for every feature of every token, each place with its own, rather than one for their mean: a
+        # synthetic image's class is which colour lies where.
         self.head = nn.Linear(self.embedding.position.shape[1] * width, num_classes)
 
     def forward(self, images):
