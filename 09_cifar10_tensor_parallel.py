@@ -2,10 +2,10 @@
 
 New (relative to step 07; lines marked `# [09]`): the model is a small vision transformer (tensor
 parallelism splits linear layers), trained with AdamW, and a group of `--tp-size` ranks computes
-each layer together. The attention heads and the MLP's hidden features are split across the group (the first projection
-of each by columns, the second by rows); between them, where every rank would otherwise repeat the
-same work, the norms and dropouts run on a slice of the tokens each (sequence parallelism). The
-group sees the same batch; world size / `--tp-size` such groups split each batch, sharded with FSDP2
+each layer together. The attention heads and the MLP's hidden features are split across the group
+(the first projection of each by columns, the second by rows); between them, where every rank would
+otherwise repeat the same work, the norms and dropouts run on a slice of the tokens each (sequence
+parallelism). The group sees the same batch; world size / `--tp-size` such groups split each batch, sharded with FSDP2
 as in 07. The loss is computed from logits split by class. Without GPUs: gloo on the CPU.
 
 Launch:
