@@ -6,7 +6,7 @@ each layer together. The attention heads and the MLP's hidden features are split
 (the first projection of each by columns, the second by rows); between them, where every rank would
 otherwise repeat the same work, the norms and dropouts run on a slice of the tokens each (sequence
 parallelism). The group sees the same batch; world size / `--tp-size` such groups split each batch,
-sharded with FSDP2 as in 07. The loss comes from logits split by class. Without GPUs: gloo on the CPU.
+sharded with FSDP2 as in 07. The loss comes from logits split by class. No GPU: gloo on the CPU.
 
 Launch:
     torchrun --nproc_per_node=N 09_cifar10_tensor_parallel.py --tp-size 2 --amp bf16  # N GPUs
