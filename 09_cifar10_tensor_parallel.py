@@ -115,7 +115,8 @@ def setup(args):
     if device.type == "cuda":  # [02]
         distributed.require_one_gpu_per_process()  # [04]
         torch.cuda.set_device(device)  # [04] before any CUDA work, or every process would use GPU 0
-        utils.use_deterministic_kernels()  # [02] or --resume drifts from an uninterrupted run
+        # Strict: attention's fused kernels are deterministic only in that mode.
+        utils.use_deterministic_kernels(strict=True)  # [09] or --resume drifts
     else:  # [02]
         distributed.print0("no GPU found: training on the CPU")  # [04]
     # A step skipped for an overflow must be skipped by every rank of a group.

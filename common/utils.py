@@ -171,7 +171,7 @@ def seed_everything(seed):
     torch.manual_seed(seed)
 
 
-def use_deterministic_kernels():
+def use_deterministic_kernels(strict=False):
     """Only deterministic GPU kernels, so that two runs of one seed, and a run stopped and resumed, end
     with the same weights (`--resume` is exact).
 
@@ -183,9 +183,15 @@ def use_deterministic_kernels():
     uninitialised tensor (`torch.empty`) with NaN, which matters only to code that reads memory before
     writing it, and costs DeepSpeed's ZeRO-1/2 a pass over its 2 GB gradient bucket at every step:
     that part stays off.
+
+    `strict` stops at an operation that has no deterministic kernel instead (a RuntimeError that names it).
+    Only then do attention's fused kernels (`F.scaled_dot_product_attention`'s flash and memory-efficient
+    ones) run a deterministic backward pass; under `warn_only` they add with atomics. Step 09 is strict. The
+    other steps are not: a model of your own would stop at its first such operation, torchvision's ResNets
+    at `AdaptiveAvgPool2d`'s backward pass.
     """
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-    torch.use_deterministic_algorithms(True, warn_only=True)
+    torch.use_deterministic_algorithms(True, warn_only=not strict)
     torch.utils.deterministic.fill_uninitialized_memory = False
 
 
