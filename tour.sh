@@ -23,5 +23,7 @@ torchrun --standalone --nproc_per_node=$procs 07_cifar10_fsdp.py "${args[@]}"
 torchrun --standalone --nproc_per_node=$procs 08_cifar10_pipeline.py "${args[@]}" --stages $((procs % 2 ? 1 : 2))
 # Tensor-parallel groups of 2 (x replicas for the other processes); a single or an odd number of processes: 1.
 torchrun --standalone --nproc_per_node=$procs 09_cifar10_tensor_parallel.py "${args[@]}" --tp-size $((procs % 2 ? 1 : 2))
-python benchmarks/report.py runs/0*/ --output runs/tour.png --title "bash tour.sh, $([ "$gpus" -gt 0 ] && echo "$gpus GPUs" || echo "CPU only")"
+# Context-parallel groups of 2, likewise.
+torchrun --standalone --nproc_per_node=$procs 10_cifar10_context_parallel.py "${args[@]}" --cp-size $((procs % 2 ? 1 : 2))
+python benchmarks/report.py runs/[01]*/ --output runs/tour.png --title "bash tour.sh, $([ "$gpus" -gt 0 ] && echo "$gpus GPUs" || echo "CPU only")"
 echo "tour finished: outputs in runs/, the picture in runs/tour.png"

@@ -1,6 +1,6 @@
 """A picture of runs: each run's training throughput side by side, and its test accuracy over time.
 
-    bash tour.sh && python benchmarks/report.py runs/0*/ --output runs/tour.png
+    bash tour.sh && python benchmarks/report.py runs/[01]*/ --output runs/tour.png
     python benchmarks/report.py RUN_DIR [RUN_DIR ...] --output report.png
 
 Each RUN_DIR is a step's --output-dir: its metrics.json gives `samples_per_second` (training only) and

@@ -135,20 +135,30 @@ def pipeline_layout(args, world_size):
 
 
 def tensor_parallel_layout(args, world_size):
-    """Step 09's layout, (tp_size, replicas): groups of `--tp-size` ranks (default 2, or 1 alone) compute
-    each layer together, each holding whole attention heads, and the groups replicate the model. Input that
-    does not fit is one UsageError."""
-    heads = models.VIT_HEADS
-    tp_size = args.tp_size or min(2, world_size)
-    if world_size % tp_size or heads % tp_size:
-        raise UsageError(f"--tp-size {tp_size} must divide the world size {world_size} and the {heads} "
-                         "attention heads")
-    if args.width % heads:
-        raise UsageError(f"--width {args.width} is not divisible by the {heads} heads")
-    replicas = world_size // tp_size
+    """Step 09's layout, (tp_size, replicas): groups of `--tp-size` ranks compute each layer together, each
+    holding whole attention heads (group_layout)."""
+    return group_layout(args, world_size, "--tp-size", args.tp_size, models.VIT_HEADS, "attention heads")
+
+
+def context_parallel_layout(args, world_size):
+    """Step 10's layout, (cp_size, replicas): groups of `--cp-size` ranks share each image, each holding an
+    equal share of its tokens (group_layout)."""
+    return group_layout(args, world_size, "--cp-size", args.cp_size, models.VIT_TOKENS, "tokens")
+
+
+def group_layout(args, world_size, flag, size, parts, unit):
+    """(size, replicas) for the vision transformer's steps: groups of `size` ranks (default 2, or 1 alone), each
+    rank with an equal share of the model's `parts` `unit`, and world size / size replicas of the group, which
+    split each batch. Input that does not fit is one UsageError."""
+    size = size or min(2, world_size)
+    if world_size % size or parts % size:
+        raise UsageError(f"{flag} {size} must divide the world size {world_size} and the {parts} {unit}")
+    if args.width % models.VIT_HEADS:
+        raise UsageError(f"--width {args.width} is not divisible by the {models.VIT_HEADS} heads")
+    replicas = world_size // size
     if args.batch_size % replicas:  # --batch-size is global: each replica takes an equal share
         raise UsageError(f"--batch-size {args.batch_size} is not divisible by {replicas} replica(s)")
-    return tp_size, replicas
+    return size, replicas
 
 
 def smoothing_term(logits, labels):

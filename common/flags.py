@@ -161,3 +161,9 @@ def add_pipeline_arguments(parser, schedules):
 def add_tensor_parallel_argument(parser):
     """Step 09's own flag: the tensor-parallel group's size."""
     parser.add_argument("--tp-size", type=positive_int, help="ranks per layer (default: 2, or 1 alone)")
+
+
+def add_context_parallel_argument(parser):
+    """Step 10's own flag: the context-parallel group's size."""
+    parser.add_argument("--cp-size", type=positive_int, help="ranks per image, each with a share of its tokens "
+                        "(default: 2, or 1 alone)")

@@ -27,6 +27,8 @@ NORMS = ("batch", "group")
 RESNET9_BLOCKS = ("prep", "layer1", "layer2", "layer3", "head")
 # VisionTransformer's attention heads: step 09's tensor-parallel degree must divide them.
 VIT_HEADS = 4
+# Its tokens, the 4x4 patches of a 32x32 image: step 10's context-parallel degree must divide them.
+VIT_TOKENS = (32 // 4) ** 2
 # The original scales the logits by 1/8: max-pooled features are large, and unscaled logits make the
 # first steps of SGD at a normal learning rate diverge.
 LOGIT_SCALE = 0.125
@@ -119,12 +121,13 @@ class Attention(nn.Module):
         self.output = nn.Linear(width, width)
 
     def forward(self, x):
-        batch, tokens = x.shape[:2]
-        # -1 heads: all of them, or the 1/T that this rank holds under tensor parallelism (step 09).
-        q, k, v = (projection(x).view(batch, tokens, -1, self.head_width).transpose(1, 2)
+        # -1 heads: all of them, or the 1/T that this rank holds under tensor parallelism (step 09). Each of
+        # q, k, v keeps its own number of tokens: under context parallelism (step 10) a rank's queries are
+        # its own tokens, its keys and values every token of the image.
+        q, k, v = (projection(x).unflatten(-1, (-1, self.head_width)).transpose(1, 2)
                    for projection in (self.query, self.key, self.value))
         y = F.scaled_dot_product_attention(q, k, v)  # (batch, heads, tokens, head_width)
-        return self.output(y.transpose(1, 2).reshape(batch, tokens, -1))
+        return self.output(y.transpose(1, 2).flatten(2))
 
 
 class MLP(nn.Module):

@@ -186,11 +186,15 @@ def use_deterministic_kernels(strict=False):
 
     `strict` stops at an operation that has no deterministic kernel instead (a RuntimeError that names it).
     Only then do attention's fused kernels (`F.scaled_dot_product_attention`'s flash and memory-efficient
-    ones) run a deterministic backward pass; under `warn_only` they add with atomics. Step 09 is strict. The
-    other steps are not: a model of your own would stop at its first such operation, torchvision's ResNets
-    at `AdaptiveAvgPool2d`'s backward pass.
+    ones) run a deterministic backward pass; under `warn_only` they add with atomics. Steps 09 and 10 are
+    strict. The others are not: a model of your own would stop at its first such operation, torchvision's
+    VGG at `AdaptiveAvgPool2d((7, 7))`'s backward pass, for one. Strict, cuBLAS stops at its first
+    product under another workspace setting: that is one error line here.
     """
-    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    workspace = os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    if strict and workspace not in (":4096:8", ":16:8"):
+        raise UsageError(f"CUBLAS_WORKSPACE_CONFIG={workspace}: deterministic cuBLAS needs :4096:8 or :16:8; "
+                         "unset it, and the step sets it")
     torch.use_deterministic_algorithms(True, warn_only=not strict)
     torch.utils.deterministic.fill_uninitialized_memory = False
 

@@ -212,6 +212,15 @@ def test_checkpoint_from_other_settings_is_refused():
         utils.check_resumable("DIR/checkpoint.pt", {"batch_size": 256}, batch_size=256, norm="batch")
 
 
+def test_strict_deterministic_mode_refuses_a_cublas_workspace_it_cannot_use(monkeypatch):
+    """Strict (09, 10), cuBLAS would stop at the first product with a traceback on every rank: one error line
+    instead, before the mode changes (torch's deterministic setting stays as it was)."""
+    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":0:0")
+    with pytest.raises(utils.UsageError, match="CUBLAS_WORKSPACE_CONFIG=:0:0: deterministic cuBLAS needs"):
+        utils.use_deterministic_kernels(strict=True)
+    assert not torch.are_deterministic_algorithms_enabled()
+
+
 def test_model_is_the_documented_size_and_shape():
     model = models.ResNet9()
     assert models.count_parameters(model) == 1_646_122

@@ -38,18 +38,23 @@ STEPS = {
     "07": lambda *args: python(SYNC_DEBUG, "07_cifar10_fsdp.py", *args),
     "08": lambda *args: python(SYNC_DEBUG, "08_cifar10_pipeline.py", *args),
     "09": lambda *args: python(SYNC_DEBUG, "09_cifar10_tensor_parallel.py", *args, *VIT_LR),
+    "10": lambda *args: python(SYNC_DEBUG, "10_cifar10_context_parallel.py", *args, *VIT_LR),
 }
-# 08 and 09 train in bf16 only: they refuse fp16, whose skipped steps every stage or tensor-parallel rank
-# would have to skip together.
-BF16_ONLY = {"08", "09"}
+# 08-10 train in bf16 only: they refuse fp16, whose skipped steps every stage, tensor-parallel or
+# context-parallel rank would have to skip together.
+BF16_ONLY = {"08", "09", "10"}
+# The steps' own learning rates and models, where they differ from the ResNet-9 steps' (tests/jobs.py).
+LEARNING_RATES = {"06": MNIST_LR, "09": VIT_LR, "10": VIT_LR}
+MODEL_CLASSES = {"06": models.MnistCNN, "09": models.VisionTransformer, "10": models.VisionTransformer}
 AMP_CASES = [(step, amp) for step in STEPS for amp in ("bf16", "fp16") if amp == "bf16" or step not in BF16_ONLY]
 # Where a library itself waits for the GPU once per step, by design: the fp16 scalers read their overflow
 # flag on the CPU to decide whether to step (torch's GradScaler, DeepSpeed's loss scaler).
 LIBRARY_CHECKS = re.compile(r"torch/amp/grad_scaler\.py|deepspeed/runtime/")
-# torch's two warnings for a kernel without a deterministic implementation, the second for attention's fused
-# backward passes (09 runs strict deterministic mode, where they are deterministic: common/utils.py).
+# torch's warnings for a kernel without a deterministic implementation, the second for attention's fused backward
+# passes (09 runs strict deterministic mode, where they are deterministic: common/utils.py), the third for cuBLAS
+# under another CUBLAS_WORKSPACE_CONFIG.
 NONDETERMINISTIC = re.compile(r".*(?:does not have a deterministic implementation|defaults to a non-deterministic "
-                              r"algorithm).*")
+                              r"algorithm|Deterministic behavior was enabled).*")
 
 
 def loop_synchronisations(stderr, steps=SMOKE_STEPS):
@@ -105,22 +110,23 @@ PIPELINE_INFERENCE_KEEPS_BUFFERS = torch.__version__ >= "2.14"
 
 @pytest.mark.parametrize("step", ["05", "06", "07", pytest.param("08", marks=pytest.mark.skipif(
     not PIPELINE_INFERENCE_KEEPS_BUFFERS, reason="PyTorch < 2.14: the stage's shape inference moves BatchNorm's "
-    "statistics")), "09"])
+    "statistics")), "09", "10"])
 def test_resume_of_the_multi_process_steps_on_a_gpu_is_exact(step, tmp_path):
     """In a world of one, bf16: DeepSpeed's engine (05), Accelerate's saved state (06), DCP checkpoints (07,
-    09), the pipeline's schedule (08) and the transformer's attention kernels (09), over NCCL where the step
-    starts a process group."""
+    09, 10), the pipeline's schedule (08) and the transformer's attention kernels (09, 10), over NCCL where the
+    step starts a process group."""
     script, data_maker = SCRIPTS[step], tiny_mnist if step == "06" else tiny_cifar10
-    lr = {"06": MNIST_LR, "09": VIT_LR}.get(step, [])
+    lr = LEARNING_RATES.get(step, [])
     check_exact_resume(lambda *args: python(script, *args, *lr, "--amp", "bf16"), tmp_path, data_maker)
 
 
 @pytest.mark.parametrize(("step", "amp"), [case for case in AMP_CASES if case[0] >= "04"])
 def test_two_processes_over_nccl(step, amp, tmp_path):
-    """One process per GPU (run_job skips where there are fewer than 2): 08 as two stages, 09 as one
-    tensor-parallel group of two."""
+    """One process per GPU (run_job skips where there are fewer than 2): 08 as two stages, 09 and 10 as one
+    tensor-parallel or context-parallel group of two."""
     script = SCRIPTS[step]
-    lr = {"06": MNIST_LR, "09": VIT_LR}.get(step, [])
-    check_ok(run_job(torchrun(2, script, *SMOKE_ARGS, *lr, "--amp", amp, "--output-dir", tmp_path), timeout=300))
-    model_class = {"06": models.MnistCNN, "09": models.VisionTransformer}.get(step, models.ResNet9)
-    check_smoke_run(tmp_path, script, world_size=2, amp=amp, model_class=model_class)
+    lr = LEARNING_RATES.get(step, [])
+    result = check_ok(run_job(torchrun(2, script, *SMOKE_ARGS, *lr, "--amp", amp, "--output-dir", tmp_path),
+                              timeout=300))
+    assert not NONDETERMINISTIC.findall(result.stderr), NONDETERMINISTIC.findall(result.stderr)
+    check_smoke_run(tmp_path, script, world_size=2, amp=amp, model_class=MODEL_CLASSES.get(step, models.ResNet9))

@@ -17,12 +17,13 @@ from outputs import check_no_shared_memory_left, check_ok, check_outputs, check_
 from common import models
 
 README_STEPS = 1  # a run with the README's defaults, cut short: 1 optimizer step, then evaluation and outputs
-MODELS = {"06_mnist_accelerate.py": models.MnistCNN, "09_cifar10_tensor_parallel.py": models.VisionTransformer}
+MODELS = {"06_mnist_accelerate.py": models.MnistCNN, "09_cifar10_tensor_parallel.py": models.VisionTransformer,
+          "10_cifar10_context_parallel.py": models.VisionTransformer}
 
 
 def readme_cpu_commands():
     """{script: its command} from the README's tour table, column "on a CPU-only machine"."""
-    rows = re.findall(r"^\| 0\d \| `(0\d_\w+\.py)` \|.*\| `([^`]+)` \| (?:\d+ lines vs `0\d_\w+\.py`|—) \|$",
+    rows = re.findall(r"^\| \d\d \| `(\d\d_\w+\.py)` \|.*\| `([^`]+)` \| (?:\d+ lines vs `\d\d_\w+\.py`|—) \|$",
                       (ROOT / "README.md").read_text(), flags=re.M)
     return dict(rows)
 

@@ -33,6 +33,8 @@ LESSONS = {
     "09": ["init_device_mesh(", 'add_cifar10_arguments(parser, model="vit")', "ColwiseParallel(", "RowwiseParallel(",
            "SequenceParallel(", "PrepareModuleInput(", "parallelize_module(", "fully_shard(block, mesh=",
            "loss_parallel()", ".full_tensor()"],
+    "10": ["init_device_mesh(", "context_parallel_layout(", "keep_own_tokens(", "funcol.all_gather_single(",
+           "register_forward_hook(all_tokens)", "register_forward_pre_hook(", "fully_shard(block, mesh=everyone"],
 }
 
 
