@@ -96,15 +96,21 @@ class OrderedCommDebugMode(CommDebugMode):
         if self.get_total_counts() > before:
             # Functional collectives (tensor parallel) take (input, ..., group name); c10d's (FSDP2) take
             # (output, input, group, ...).
-            if isinstance(args[-1], str):
+            functional = isinstance(args[-1], str)
+            if functional:
                 group, values = args[-1], args[0].numel()
             else:
                 group, values = dist.ProcessGroup.unbox(args[2]).group_name, args[1].numel()
             tracker = self.advanced_module_tracker  # the module running now, and whether in backward
-            self.log.append(Collective(COLLECTIVES[func._overloadpacket.__name__], self.groups[group],
+            self.log.append(Collective(COLLECTIVES[func._overloadpacket.__name__], self.label(group, functional),
                                        tracker.name.partition(".")[2], "backward" if tracker.is_bw else "forward",
                                        values))
         return result
+
+
+    def label(self, group, functional):
+        """The name that the tables give `group` (a group name); `functional`: a functional collective's."""
+        return self.groups[group]
 
 
 def local(tensor):

@@ -371,6 +371,68 @@ def test_the_tensor_parallel_figure_uses_the_plan_of_step_09():
     assert plans("benchmarks/tensor_parallel_figure.py") == plans("09_cifar10_tensor_parallel.py")
 
 
+@pytest.mark.full
+def test_the_context_parallel_figure_shows_where_each_collective_runs(tmp_path):
+    """10's hooks, measured at cp 2, at cp 4 and at 2 replicas of cp 2. In each block every module works on the
+    rank's own tokens, and the keys and values are gathered; the backward pass reduce-scatters their gradients.
+    The head gathers its input; FSDP2's collectives run over every rank."""
+    output = run_figure_script("context_parallel_figure.py", tmp_path, "context-parallel.png")
+    forward, steps = output.split("\n\n")
+    tokens, width, hidden, blocks = 64, 128, 512, 6
+
+    _, columns, *lines = forward.splitlines()
+    cp_sizes = [int(cp) for cp in re.findall(r"cp (\d+)", columns)]
+    assert cp_sizes == [2, 4]
+    labels = []
+    for line in lines:
+        label, *texts = re.split(r" {2,}", line)
+        labels.append(label)
+        for cp, text in zip(cp_sizes, texts, strict=True):
+            shapes = tuple(tuple(map(int, re.findall(r"\d+", side))) for side in text.split(" -> "))
+            own = tokens // cp
+            expected = {"all-gather (cp)": ((own, width), (tokens, width)), "mlp.up": ((own, width), (own, hidden)),
+                        "mlp.down": ((own, hidden), (own, width))}.get(label, ((own, width), (own, width)))
+            assert shapes == expected, line
+    assert labels == ["attention_norm", "attention.query", "attention.key", "all-gather (cp)", "attention.value",
+                      "all-gather (cp)", "attention.output", "attention_dropout", "mlp_norm", "mlp.up", "mlp.down",
+                      "mlp_dropout"]
+
+    # One step's counts, in block 0 / in the whole model, and the values put into the cp group's collectives.
+    counts = {(mesh, group, kind): (*map(int, (f0, f1, b0, b1)), values) for mesh, group, kind, f0, f1, b0, b1, values
+              in re.findall(r"^(\d x \d) +(cp|all) +([\w-]+) +(\d+) / (\d+) +(\d+) / (\d+) +([\d,-]+)$", steps,
+                            re.M)}
+    expected = {}
+    for mesh in ("1 x 2", "1 x 4", "2 x 2"):
+        cp = int(mesh[-1])
+        # The key and value of each block, and the head's input: gathered in forward, their gradients
+        # reduce-scattered in backward (each rank puts in the gradient of every token).
+        gathers = 2 * blocks + 1
+        expected[mesh, "cp", "all-gather"] = (2, gathers, 0, 0, f"{gathers * tokens // cp * width:,}")
+        expected[mesh, "cp", "reduce-scatter"] = (0, 0, 2, gathers, f"{gathers * tokens * width:,}")
+        # FSDP2 over every rank: a gather per unit (6 blocks, the root) in forward, per block in backward (block
+        # 0's prefetched in block 1's backward); a reduce-scatter of each unit's gradients.
+        expected[mesh, "all", "all-gather"] = (1, blocks + 1, 0, blocks, "-")
+        expected[mesh, "all", "reduce-scatter"] = (0, 0, 1, blocks + 1, "-")
+    assert counts == expected
+    assert figure_output("docs/context-parallel.md", "context_parallel_figure.py", "context-parallel.png") == output
+
+
+def test_the_context_parallel_figure_uses_the_hooks_of_step_10():
+    """The figure copies 10's hooks (a benchmark never imports a step): the same functions and registrations."""
+    def hooks(script):
+        tree = ast.parse((ROOT / script).read_text())
+        functions = [ast.dump(node) for node in ast.walk(tree)
+                     if isinstance(node, ast.FunctionDef) and node.name in ("keep_own_tokens", "all_tokens")]
+        registrations = [ast.dump(node) for node in ast.walk(tree) if isinstance(node, ast.Call) and isinstance(
+            node.func, ast.Attribute) and node.func.attr.startswith("register_forward")]
+        return functions, registrations
+    functions, registrations = hooks("10_cifar10_context_parallel.py")
+    assert (len(functions), len(registrations)) == (2, 4)
+    assert hooks("benchmarks/context_parallel_figure.py")[0] == functions
+    # The figure registers its own recording hooks too, on block 0's modules.
+    assert set(registrations) <= set(hooks("benchmarks/context_parallel_figure.py")[1])
+
+
 def tiers_of_the_tests():
     """{tests/FILE::NAME: the tiers that run its cases}, from one collection of the whole suite (tests/tiers.py)."""
     result = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "tiers", "-p",

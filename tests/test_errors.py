@@ -81,6 +81,12 @@ def cases(tmp, port):
             (torchrun(3, "09_cifar10_tensor_parallel.py", *SYNTHETIC_ARGS, "--tp-size", 3, *out), {}, {}),
         "a `--width` that the 4 attention heads do not divide (09)":
             (python("09_cifar10_tensor_parallel.py", *SYNTHETIC_ARGS, "--width", 30, *out), {}, {}),
+        "`--amp fp16` in 10 (no loss scaling across context-parallel ranks)":
+            (python("10_cifar10_context_parallel.py", *SYNTHETIC_ARGS, "--amp", "fp16", *out), {}, {}),
+        "`--cp-size` that does not divide the world size (10)":
+            (python("10_cifar10_context_parallel.py", *SYNTHETIC_ARGS, "--cp-size", 2, *out), {}, {}),
+        "`--cp-size` that does not divide the 64 tokens (10)":
+            (torchrun(3, "10_cifar10_context_parallel.py", *SYNTHETIC_ARGS, "--cp-size", 3, *out), {}, {}),
         "`--batch-size` of 0 or less": (python("02_cifar10_gpu.py", *SYNTHETIC_ARGS, "--batch-size", 0, *out), {}, {}),
         "`--epochs` of 0 or less": (python("02_cifar10_gpu.py", *SYNTHETIC_ARGS, "--epochs", -1, *out), {}, {}),
         "an unknown `--amp`": (python("02_cifar10_gpu.py", *SYNTHETIC_ARGS, "--amp", "fp8", *out), {}, {}),
@@ -135,6 +141,7 @@ FULL_TIER_ROWS = {
     "fewer `--microbatches` than `--stages` under 1F1B (08)",
     "`--microbatches` that do not divide a replica's share of the batch (08)",
     "`--tp-size` that does not divide the 4 attention heads (09)",
+    "`--cp-size` that does not divide the 64 tokens (10)",
     "more replicas than test samples in 05, 07 or 09 (a replica: a process; in 09, a tensor-parallel group)",
     "the rendezvous port in use (torchrun)",
     "the rendezvous port in use (deepspeed)",
@@ -197,6 +204,7 @@ DIVERGED_RUNS = [
     ("07", lambda *args: torchrun(2, "07_cifar10_fsdp.py", *args)),
     ("08", lambda *args: torchrun(2, "08_cifar10_pipeline.py", *args)),
     ("09", lambda *args: torchrun(2, "09_cifar10_tensor_parallel.py", *args)),
+    ("10", lambda *args: torchrun(2, "10_cifar10_context_parallel.py", *args)),
 ]
 
 

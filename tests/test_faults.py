@@ -31,7 +31,7 @@ ELASTIC_OPTIONS, ELASTIC_ENV = ["--max-restarts=1"], {"TORCH_DISABLE_SHARE_RDZV_
 
 
 def latest_step(output_dir):
-    """The step of the checkpoint that `checkpoints/latest` names (05, 07-09)."""
+    """The step of the checkpoint that `checkpoints/latest` names (05, 07-10)."""
     return int((output_dir / "checkpoints" / "latest").read_text().removeprefix("step"))
 
 
@@ -46,6 +46,7 @@ STEPS = {
     "07_cifar10_fsdp.py": (HALF_WIDTH["resnet9"], latest_step),
     "08_cifar10_pipeline.py": (HALF_WIDTH["resnet9"], latest_step),
     "09_cifar10_tensor_parallel.py": ([*HALF_WIDTH["vit"], *VIT_LR], latest_step),
+    "10_cifar10_context_parallel.py": ([*HALF_WIDTH["vit"], *VIT_LR], latest_step),
 }
 
 
