@@ -1,5 +1,6 @@
 """What sharding saves, measured per rank: the bytes of parameters, gradients and optimizer state that each
-process holds under DDP (04), DeepSpeed's ZeRO-0 to 3 (05), FSDP2 (07), pipeline (08) and tensor parallelism (09).
+process holds under DDP (04), DeepSpeed's ZeRO-0 to 3 (05), FSDP2 (07), pipeline (08), tensor parallelism (09) and
+context parallelism (10).
 
     python benchmarks/memory.py --json runs/memory.json --output docs/memory.png   # the table in docs/memory.md
     python benchmarks/memory.py --methods DDP ZeRO-2 --world-sizes 2               # some of it
@@ -15,7 +16,7 @@ ZeRO paper counts it, and reported apart too. Every other tensor that DeepSpeed'
 gradient partitions) is counted as a buffer, by the attribute that holds it; DDP's gradient buckets, as DDP
 reports them. The peak is the most memory in tensors during the second step, from the end of the first
 optimizer step to the end of the second: torch.cuda.max_memory_allocated on a GPU; on a CPU, PyTorch's
-FSDPMemTracker (07, 09) or MemTracker (the others), which follow the tensors counted above and every tensor
+FSDPMemTracker (07, 09, 10) or MemTracker (the others), which follow the tensors counted above and every tensor
 that the step creates or touches.
 
 It prints a table, writes one record per method, world size and rank with --json, and draws the bytes per rank
@@ -53,13 +54,15 @@ MEASURED_STEP = 2
 RUN_ARGS = ["--synthetic", "--num-workers", "0", "--batch-size", "24", "--lr", "0.1", "--epochs", "1",
             "--max-steps", str(MEASURED_STEP + 1)]
 # method: (step, its own arguments, ZeRO stage). 08 runs one pipeline stage per process; 09 its default mesh,
-# tensor-parallel groups of 2 (1 alone), which FSDP2 shards across the replicas (2 at 4 processes).
+# tensor-parallel groups of 2 (1 alone), which FSDP2 shards across the replicas (2 at 4 processes); 10 its default,
+# context-parallel groups of 2 (1 alone), with FSDP2 over every rank.
 METHODS = {
     "DDP": ("04", [], None),
     **{f"ZeRO-{stage}": ("05", ["--zero-stage", str(stage)], stage) for stage in range(4)},
     "FSDP2": ("07", [], None),
     "pipeline": ("08", [], None),
     "tensor parallel": ("09", [], None),
+    "context parallel": ("10", [], None),
 }
 WORLD_SIZES = [1, 2, 4]
 # The model each step trains, as it builds it by default: Ψ of the formula.
@@ -73,6 +76,9 @@ MOMENTUM_K = 4
 ADAMW_K = 8
 DEEPSPEED_K = 8
 MB = 1e6
+# Ψ and K, as the table and the picture state them.
+SIZES = (f"Ψ = {PARAMETERS['ResNet-9']:,} (ResNet-9), {PARAMETERS['ViT']:,} (the vision transformer of 09 and 10); "
+         f"K = {MOMENTUM_K} (SGD's momentum), {ADAMW_K} for AdamW (09 and 10: two moments) and under ZeRO-1 to 3")
 LAUNCH_TIMEOUT = 600  # seconds for one method at one world size (DeepSpeed at 4 processes: about 40 s on 2 cores)
 SMALL = 1000  # bytes: the buffers listed by name are those of this size or more (the rest are scalars)
 
@@ -88,11 +94,11 @@ def parse_args(argv=None):
 
 
 def model_of(method):
-    return "ViT" if method == "tensor parallel" else "ResNet-9"
+    return "ViT" if method in ("tensor parallel", "context parallel") else "ResNet-9"
 
 
 def optimizer_k(method):
-    if method == "tensor parallel":
+    if model_of(method) == "ViT":
         return ADAMW_K
     return DEEPSPEED_K if method in ("ZeRO-1", "ZeRO-2", "ZeRO-3") else MOMENTUM_K
 
@@ -377,9 +383,7 @@ def table(records):
                          ("parameter_bytes", 9), ("gradient_bytes", 9), ("optimizer_bytes", 9),
                          ("master_weight_bytes", 9), ("buffer_bytes", 10), ("peak_bytes", 10),
                          ("formula_bytes", 9), ("build_peak_bytes", 9))))
-    lines.append(f"Ψ = {PARAMETERS['ResNet-9']:,} (ResNet-9), {PARAMETERS['ViT']:,} (09's vision transformer); "
-                 f"K = {MOMENTUM_K} (SGD's momentum), {ADAMW_K} for 09's AdamW (two moments) and under ZeRO-1 to 3 "
-                 "(the momentum and the fp32 master weights)")
+    lines.append(f"{SIZES} (the momentum and the fp32 master weights)")
     lines.append(f"buffers of {SMALL / 1000:.0f} KB or more, on rank 0 (MB):")
     for record in records:
         large = {path: size for path, size in (record["buffers"] or {}).items() if size >= SMALL}
@@ -452,11 +456,9 @@ def draw(records, output):
     measured = f"{machine()}, {datetime.date.today()}"
     figure.suptitle(f"Bytes that each rank holds at the optimizer step, measured: {measured}\n"
                     "Formula (ZeRO paper): (4 + 4 + K)·Ψ replicated, (4 + 4 + K/N)·Ψ ZeRO-1, (4 + (4 + K)/N)·Ψ "
-                    "ZeRO-2, (4 + 4 + K)·Ψ/N ZeRO-3, FSDP2, and an even split for 08 and 09; above the bars, in MB: "
+                    "ZeRO-2, (4 + 4 + K)·Ψ/N ZeRO-3, FSDP2, and an even split for 08-10; above the bars, in MB: "
                     "the buffers and the peak\n"
-                    f"Ψ = {PARAMETERS['ResNet-9']:,} (ResNet-9), {PARAMETERS['ViT']:,} (09's vision transformer); "
-                    f"K = {MOMENTUM_K} (SGD's momentum), {ADAMW_K} for 09's AdamW (two moments) and under ZeRO-1 to 3 "
-                    "(the momentum and DeepSpeed's fp32 master weights)", fontsize=9)
+                    f"{SIZES} (the momentum and DeepSpeed's fp32 master weights)", fontsize=9)
     figure.tight_layout(rect=(0, 0.05, 1, 1))
     figure.savefig(output, dpi=90)
 
