@@ -107,10 +107,10 @@ def setup(args):
         utils.use_deterministic_kernels(strict=True)  # [09] or --resume drifts
     else:  # [02]
         distributed.print0("no GPU found: training on the CPU")  # [04]
-    # A step skipped for an overflow must be skipped by every rank of a group.
+    # 09's precisions: fp16 would need 07's loss scaler back.
     if args.amp == "fp16":  # [09]
-        raise utils.UsageError("--amp fp16: 10 has no loss scaling across context-parallel "  # [10]
-                               "ranks; use --amp bf16")  # [10]
+        raise utils.UsageError("--amp fp16: 10 trains without a loss scaler, as 09 does; "  # [10]
+                               "use --amp bf16")  # [10]
     # Groups of C ranks share each image, each rank with 64 / C of its tokens (C divides them);
     # world size / C replicas of the group split the batch (common/distributed.py).
     cp_size, replicas = distributed.context_parallel_layout(args, world_size)  # [10]
@@ -122,8 +122,8 @@ def setup(args):
     backend = "nccl" if device.type == "cuda" else "gloo"  # [04]
     dist.init_process_group(backend, timeout=distributed.TIMEOUT,  # [04]
                             device_id=device if backend == "nccl" else None)  # [04] NCCL: its GPU
-    # rank = replica x cp_size + cp rank: a group's ranks are neighbours, on one machine, since
-    # every attention layer communicates within the group.
+    # rank = replica x cp_size + cp rank: a group's ranks are neighbours (on one machine where C
+    # divides its GPUs), since every attention layer communicates within the group.
     mesh = init_device_mesh(device.type, (replicas, cp_size), mesh_dim_names=("dp", "cp"))  # [10]
     return utils.Context(args, device, amp_dtype=flags.AMP_DTYPES[args.amp], mesh=mesh)  # [09]
 
@@ -168,7 +168,8 @@ def build_model(context):
     cp_rank, cp_size = mesh.get_local_rank("cp"), mesh["cp"].size()  # [10]
 
     def keep_own_tokens(module, inputs, tokens):  # [10] the embedding runs whole on every rank
-        return tokens.chunk(cp_size, dim=1)[cp_rank]  # [10] (batch, 64 / C, width)
+        # A copy: a view would keep all 64 tokens alive, for the first norm's backward pass.
+        return tokens.chunk(cp_size, dim=1)[cp_rank].contiguous()  # [10] (batch, 64 / C, width)
 
     # Attention is the one layer where tokens meet: each rank's queries need every token's key
     # and value, gathered from the group (a ring passes them in blocks instead: see

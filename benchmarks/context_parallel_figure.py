@@ -56,7 +56,7 @@ def context_parallel(model, mesh):
     cp_rank, cp_size = mesh.get_local_rank("cp"), mesh["cp"].size()
 
     def keep_own_tokens(module, inputs, tokens):
-        return tokens.chunk(cp_size, dim=1)[cp_rank]
+        return tokens.chunk(cp_size, dim=1)[cp_rank].contiguous()
 
     def all_tokens(module, inputs, tokens):
         return funcol.all_gather_single(tokens, 1, mesh["cp"])

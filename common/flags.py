@@ -116,7 +116,7 @@ def add_norm_argument(parser):
 
 
 def add_cifar10_arguments(parser, model="resnet9"):
-    """The CIFAR-10 steps' model and recipe flags (docs/data-and-model.md), for ResNet-9 or for step 09's vision
+    """The CIFAR-10 steps' model and recipe flags (docs/data-and-model.md), for ResNet-9 or for the vision
     transformer ("vit"): `models.build(args)` builds it. The defaults keep the CPU tour quick."""
     parser.set_defaults(model=model)
     if model == "resnet9":

@@ -7,7 +7,7 @@ the original channels (64): 1.65M parameters instead of 6.57M, four times fewer 
 runs tens of steps in seconds and the tour stays quick to try, while the net keeps the original's
 shape. Pass `width=64` for the full-size net on GPUs.
 
-`VisionTransformer` is a small ViT for step 09 (tensor parallelism splits linear layers, not convolutions):
+`VisionTransformer` is a small ViT for steps 09 and 10 (tensor parallelism splits linear layers, not convolutions):
 4x4 patches (64 tokens), a learned position per patch, 6 pre-norm blocks of width 128 with 4 attention heads
 and an MLP four times as wide, a linear head over all the tokens' features. 1.3M parameters, about the FLOPs of
 ResNet9 at width 32.
@@ -195,7 +195,7 @@ class MnistCNN(nn.Module):
 
 def build(args):
     """The model that a CIFAR-10 step's flags describe (common/flags.py): ResNet-9 (`--norm`, `--width`) or, for
-    step 09, the vision transformer (`--width`, `--no-dropout`)."""
+    steps 09 and 10, the vision transformer (`--width`, `--no-dropout`)."""
     if args.model == "vit":
         return VisionTransformer(width=args.width, dropout=not args.no_dropout)
     return ResNet9(norm=args.norm, width=args.width)
@@ -215,7 +215,7 @@ def count_parameters(model):
 def load_weights(path, model_class=ResNet9, **options):
     """A `model.pt` written by any step, loaded on the CPU into a fresh `model_class(**options)`
     (`ResNet9` for the CIFAR-10 steps 01-05, 07 and 08, with `norm="group"` if trained with --norm group;
-    `MnistCNN` for step 06; `VisionTransformer` for step 09)."""
+    `MnistCNN` for step 06; `VisionTransformer` for steps 09 and 10)."""
     model = model_class(**options)
     model.load_state_dict(torch.load(path, map_location="cpu", weights_only=True))
     return model

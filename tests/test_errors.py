@@ -81,7 +81,7 @@ def cases(tmp, port):
             (torchrun(3, "09_cifar10_tensor_parallel.py", *SYNTHETIC_ARGS, "--tp-size", 3, *out), {}, {}),
         "a `--width` that the 4 attention heads do not divide (09)":
             (python("09_cifar10_tensor_parallel.py", *SYNTHETIC_ARGS, "--width", 30, *out), {}, {}),
-        "`--amp fp16` in 10 (no loss scaling across context-parallel ranks)":
+        "`--amp fp16` in 10 (no loss scaler, as in 09)":
             (python("10_cifar10_context_parallel.py", *SYNTHETIC_ARGS, "--amp", "fp16", *out), {}, {}),
         "`--cp-size` that does not divide the world size (10)":
             (python("10_cifar10_context_parallel.py", *SYNTHETIC_ARGS, "--cp-size", 2, *out), {}, {}),
@@ -100,7 +100,7 @@ def cases(tmp, port):
             (python("01_cifar10_cpu.py", "--data-dir", absent, *out), {}, {str(absent): "DIR"}),
         "a `--data-dir` that is a file":
             (python("02_cifar10_gpu.py", "--data-dir", a_file, *out), {}, {str(a_file): "FILE"}),
-        "more replicas than test samples in 05, 07 or 09 (a replica: a process; in 09, a tensor-parallel group)":
+        "more replicas than test samples in 05, 07, 09 or 10 (a replica: a process; in 09 and 10, a group)":
             (torchrun(3, "05_cifar10_deepspeed.py", *SHORT_RUN_ARGS, "--data-dir", tiny_cifar10(tmp / "tiny", 48, 2),
                       *out), {}, {}),
         "`--resume` with no checkpoint":
@@ -142,7 +142,7 @@ FULL_TIER_ROWS = {
     "`--microbatches` that do not divide a replica's share of the batch (08)",
     "`--tp-size` that does not divide the 4 attention heads (09)",
     "`--cp-size` that does not divide the 64 tokens (10)",
-    "more replicas than test samples in 05, 07 or 09 (a replica: a process; in 09, a tensor-parallel group)",
+    "more replicas than test samples in 05, 07, 09 or 10 (a replica: a process; in 09 and 10, a group)",
     "the rendezvous port in use (torchrun)",
     "the rendezvous port in use (deepspeed)",
 }

@@ -120,6 +120,13 @@ def test_resume_of_the_multi_process_steps_on_a_gpu_is_exact(step, tmp_path):
     check_exact_resume(lambda *args: python(script, *args, *lr, "--amp", "bf16"), tmp_path, data_maker)
 
 
+@pytest.mark.parametrize("step", ["09", "10"])
+def test_resume_of_a_group_of_two_gpus_is_exact(step, tmp_path):
+    """A tensor-parallel (09) or context-parallel (10) group of 2 GPUs in bf16, whose collectives run inside every
+    block: stopped and resumed, it ends with the uninterrupted run's weights (run_job skips with fewer GPUs)."""
+    check_exact_resume(lambda *args: torchrun(2, SCRIPTS[step], *args, *VIT_LR, "--amp", "bf16"), tmp_path)
+
+
 @pytest.mark.parametrize(("step", "amp"), [case for case in AMP_CASES if case[0] >= "04"])
 def test_two_processes_over_nccl(step, amp, tmp_path):
     """One process per GPU (run_job skips where there are fewer than 2): 08 as two stages, 09 and 10 as one
