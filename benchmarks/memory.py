@@ -54,22 +54,22 @@ MEASURED_STEP = 2
 RUN_ARGS = ["--synthetic", "--num-workers", "0", "--batch-size", "24", "--lr", "0.1", "--epochs", "1",
             "--max-steps", str(MEASURED_STEP + 1)]
 # method: (step, its own arguments, ZeRO stage). 08 runs one pipeline stage per process; 09 its default mesh,
-# tensor-parallel groups of 2 (1 alone), which FSDP2 shards across the replicas (2 at 4 processes); 10 its default,
-# context-parallel groups of 2 (1 alone), with FSDP2 over every rank.
+# tensor-parallel groups of 2 (1 alone), which FSDP2 shards across the replicas (2 at 4 processes); 10 one
+# context-parallel group of every process (what a rank holds as C grows), with FSDP2 over every rank.
 METHODS = {
     "DDP": ("04", [], None),
     **{f"ZeRO-{stage}": ("05", ["--zero-stage", str(stage)], stage) for stage in range(4)},
     "FSDP2": ("07", [], None),
     "pipeline": ("08", [], None),
     "tensor parallel": ("09", [], None),
-    "context parallel": ("10", [], None),
+    "context parallel": ("10", ["--cp-size", "{world_size}"], None),
 }
 WORLD_SIZES = [1, 2, 4]
 # The model each step trains, as it builds it by default: Ψ of the formula.
 PARAMETERS = {name: sum(parameter.numel() for parameter in model.parameters())
               for name, model in (("ResNet-9", models.ResNet9()), ("ViT", models.VisionTransformer()))}
 FP32 = 4  # bytes per weight and per gradient: every run is fp32
-# K, the optimizer's bytes per parameter: SGD's momentum buffer; AdamW's two moments (09); under DeepSpeed's ZeRO-1
+# K, the optimizer's bytes per parameter: SGD's momentum buffer; AdamW's two moments (09, 10); under DeepSpeed's ZeRO-1
 # to 3, the momentum and the fp32 copy of the weights that its optimizer updates (the ZeRO paper counts that copy
 # in K: 12 for mixed-precision Adam).
 MOMENTUM_K = 4
@@ -105,8 +105,8 @@ def optimizer_k(method):
 
 def formula_bytes(method, world_size):
     """The ZeRO paper's bytes per device (its Table 1) for this model in fp32: (4 + 4 + K)·Ψ replicated,
-    (4 + 4 + K/N)·Ψ, (4 + (4 + K)/N)·Ψ and (4 + 4 + K)·Ψ/N for ZeRO-1, 2 and 3. FSDP2 shards as ZeRO-3; for 08
-    and 09, (4 + 4 + K)·Ψ/N is what an even split of every weight would give."""
+    (4 + 4 + K/N)·Ψ, (4 + (4 + K)/N)·Ψ and (4 + 4 + K)·Ψ/N for ZeRO-1, 2 and 3. FSDP2 shards as ZeRO-3; for
+    08-10, (4 + 4 + K)·Ψ/N is what an even split of every weight would give."""
     psi = PARAMETERS[model_of(method)]
     k, n = optimizer_k(method), world_size
     per_parameter = {"DDP": FP32 + FP32 + k, "ZeRO-0": FP32 + FP32 + k, "ZeRO-1": FP32 + FP32 + k / n,
@@ -287,7 +287,7 @@ def measure_in_this_process(output_dir, argv):
 
     def building(init):
         def build(model, *args, **kwargs):
-            if "build" not in found:  # the first model built: on the meta device in 07 and 09
+            if "build" not in found:  # the first model built: on the meta device in 07, 09 and 10
                 found["build"] = BuildPeak()
                 found["build"].start()
             init(model, *args, **kwargs)
@@ -301,7 +301,8 @@ def measure_in_this_process(output_dir, argv):
         return build_optimizer
 
     def first_module(module, args):
-        # The first module that a step calls is its whole model: DDP, DeepSpeed's engine, the FSDP2 root, 08's stage.
+        # The first module that a step calls is its whole model: DDP, DeepSpeed's engine, the FSDP2 root, 08's stage,
+        # the model of 09 and 10.
         found.setdefault("model", module)
 
     def before_step(optimizer, args, kwargs):
@@ -339,7 +340,8 @@ def measure(method, world_size):
     step, step_args, zero_stage = METHODS[method]
     with tempfile.TemporaryDirectory() as scratch:
         command = launch.torchrun(world_size, Path(__file__).resolve(), "--worker", scratch, launch.SCRIPTS[step],
-                                  *RUN_ARGS, *step_args, "--output-dir", Path(scratch) / "run")
+                                  *RUN_ARGS, *(arg.format(world_size=world_size) for arg in step_args),
+                                  "--output-dir", Path(scratch) / "run")
         process = subprocess.Popen(command, cwd=launch.ROOT, env=launch.environment(), stdout=subprocess.PIPE,
                                    stderr=subprocess.PIPE, text=True)
         try:
@@ -364,7 +366,7 @@ def machine():
         names = re.findall(r"^model name\s*:\s*(.+)$", Path("/proc/cpuinfo").read_text(), re.M)
         device = f"{names[0] if names else 'CPU'} ({os.cpu_count()} cores)"
     return (f"{device}, torch {torch.__version__}, DeepSpeed {importlib.metadata.version('deepspeed')}, "
-            f"synthetic data, fp32, global batch 24, SGD with momentum (09: AdamW)")
+            f"synthetic data, fp32, global batch 24, SGD with momentum (09, 10: AdamW)")
 
 
 def megabytes(value):
@@ -408,7 +410,7 @@ def draw(records, output):
     columns = min(4, len(methods))
     rows = -(-len(methods) // columns)
     figure, axes = plt.subplots(rows, columns, figsize=(3.6 * columns, 3.3 * rows + 1.2), squeeze=False)
-    # ResNet-9's panels share one scale, so that they compare at a glance; 09's model has its own.
+    # ResNet-9's panels share one scale, so that they compare at a glance; the transformer's (09, 10) another.
     top = {}
     for record in records:
         model = model_of(record["method"])

@@ -282,7 +282,7 @@ def remove_other_checkpoints(directory, keep):
 
 
 def latest_checkpoint(directory):
-    """The checkpoint directory that `directory/latest` names: 05 and 07-09 write `latest` last, atomically,
+    """The checkpoint directory that `directory/latest` names: 05 and 07-10 write `latest` last, atomically,
     once the checkpoint it names is complete."""
     latest = os.path.join(directory, "latest")
     if not os.path.isfile(latest):

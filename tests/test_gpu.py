@@ -51,7 +51,7 @@ AMP_CASES = [(step, amp) for step in STEPS for amp in ("bf16", "fp16") if amp ==
 # flag on the CPU to decide whether to step (torch's GradScaler, DeepSpeed's loss scaler).
 LIBRARY_CHECKS = re.compile(r"torch/amp/grad_scaler\.py|deepspeed/runtime/")
 # torch's warnings for a kernel without a deterministic implementation, the second for attention's fused backward
-# passes (09 runs strict deterministic mode, where they are deterministic: common/utils.py), the third for cuBLAS
+# passes (09 and 10 run strict deterministic mode, where they are deterministic: common/utils.py), the third for cuBLAS
 # under another CUBLAS_WORKSPACE_CONFIG.
 NONDETERMINISTIC = re.compile(r".*(?:does not have a deterministic implementation|defaults to a non-deterministic "
                               r"algorithm|Deterministic behavior was enabled).*")
