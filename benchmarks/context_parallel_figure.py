@@ -12,19 +12,24 @@ the values that rank 0 puts into each kind per image. The picture draws block 0 
 holds after each module, and the collectives that join the ranks.
 """
 
-import argparse
-import functools
 import sys
 import warnings
 from collections import defaultdict
-from pathlib import Path
 
 import launch
 import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
-from tensor_parallel_figure import TIMEOUT, Collective, Module, OrderedCommDebugMode, in_block_0, local, shape
+from tensor_parallel_figure import (
+    Collective,
+    Module,
+    OrderedCommDebugMode,
+    in_block_0,
+    local,
+    measure_print_and_draw,
+    shape,
+)
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
@@ -34,12 +39,6 @@ from common import models  # noqa: E402
 # (processes, cp size): a group of 2, a group of 4, and 2 replicas of a group of 2.
 RUNS = ((2, 2), (4, 4), (4, 2))
 BATCH = 2  # images per replica: the shapes and values are per image, and the counts do not depend on it
-
-
-def parse_args(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--output", type=Path, required=True, help="the PNG to write")
-    return parser.parse_args(argv)
 
 
 class ContextParallelCommDebugMode(OrderedCommDebugMode):
@@ -223,13 +222,7 @@ def draw(logs, cp_size, output):
 
 
 def main():
-    args = parse_args()
-    logs = {(processes, cp_size): launch.in_local_processes(functools.partial(measure, cp_size=cp_size),
-                                                            processes, TIMEOUT)
-            for processes, cp_size in RUNS}
-    print_tables({run: per_rank[0] for run, per_rank in logs.items()})
-    draw(logs[RUNS[0]], RUNS[0][1], args.output)
-    print(f"wrote {args.output}")
+    measure_print_and_draw(measure, RUNS, print_tables, draw)
 
 
 if __name__ == "__main__":

@@ -337,14 +337,24 @@ def draw(logs, tp_size, output):
     figure.savefig(output, dpi=100)
 
 
-def main():
+def _measure_at(measure, size, rank):
+    return measure(rank, size)
+
+
+def measure_print_and_draw(measure, runs, print_tables, draw):
+    """This figure's main, and benchmarks/context_parallel_figure.py's: `measure(rank, group size)` in each run of
+    `runs`, (processes, group size); the tables of rank 0's logs; the picture of the first run."""
     args = parse_args()
-    logs = {(processes, tp_size): launch.in_local_processes(functools.partial(measure, tp_size=tp_size),
-                                                            processes, TIMEOUT)
-            for processes, tp_size in RUNS}
+    logs = {(processes, size): launch.in_local_processes(functools.partial(_measure_at, measure, size), processes,
+                                                         TIMEOUT)
+            for processes, size in runs}
     print_tables({run: per_rank[0] for run, per_rank in logs.items()})
-    draw(logs[RUNS[0]], RUNS[0][1], args.output)
+    draw(logs[runs[0]], runs[0][1], args.output)
     print(f"wrote {args.output}")
+
+
+def main():
+    measure_print_and_draw(measure, RUNS, print_tables, draw)
 
 
 if __name__ == "__main__":
