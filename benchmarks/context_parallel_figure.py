@@ -12,9 +12,11 @@ the values that rank 0 puts into each kind per image. The picture draws block 0 
 holds after each module, and the collectives that join the ranks.
 """
 
+import argparse
 import sys
 import warnings
 from collections import defaultdict
+from pathlib import Path
 
 import launch
 import torch
@@ -39,6 +41,12 @@ from common import models  # noqa: E402
 # (processes, cp size): a group of 2, a group of 4, and 2 replicas of a group of 2.
 RUNS = ((2, 2), (4, 4), (4, 2))
 BATCH = 2  # images per replica: the shapes and values are per image, and the counts do not depend on it
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--output", type=Path, required=True, help="the PNG to write")
+    return parser.parse_args(argv)
 
 
 class ContextParallelCommDebugMode(OrderedCommDebugMode):
@@ -222,7 +230,7 @@ def draw(logs, cp_size, output):
 
 
 def main():
-    measure_print_and_draw(measure, RUNS, print_tables, draw)
+    measure_print_and_draw(parse_args(), measure, RUNS, print_tables, draw)
 
 
 if __name__ == "__main__":

@@ -341,10 +341,9 @@ def _measure_at(measure, size, rank):
     return measure(rank, size)
 
 
-def measure_print_and_draw(measure, runs, print_tables, draw):
+def measure_print_and_draw(args, measure, runs, print_tables, draw):
     """This figure's main, and benchmarks/context_parallel_figure.py's: `measure(rank, group size)` in each run of
-    `runs`, (processes, group size); the tables of rank 0's logs; the picture of the first run."""
-    args = parse_args()
+    `runs`, (processes, group size); the tables of rank 0's logs; the picture of the first run, to `args.output`."""
     logs = {(processes, size): launch.in_local_processes(functools.partial(_measure_at, measure, size), processes,
                                                          TIMEOUT)
             for processes, size in runs}
@@ -354,7 +353,7 @@ def measure_print_and_draw(measure, runs, print_tables, draw):
 
 
 def main():
-    measure_print_and_draw(measure, RUNS, print_tables, draw)
+    measure_print_and_draw(parse_args(), measure, RUNS, print_tables, draw)
 
 
 if __name__ == "__main__":
