@@ -40,8 +40,8 @@ STEPS = {
     "09": lambda *args: python(SYNC_DEBUG, "09_cifar10_tensor_parallel.py", *args, *VIT_LR),
     "10": lambda *args: python(SYNC_DEBUG, "10_cifar10_context_parallel.py", *args, *VIT_LR),
 }
-# 08-10 train in bf16 only: they refuse fp16, whose skipped steps every stage, tensor-parallel or
-# context-parallel rank would have to skip together.
+# 08-10 train in bf16 only: 08 and 09 refuse fp16, whose skipped steps every stage or tensor-parallel rank
+# would have to skip together; 10 refuses it to stay 09 and its lesson.
 BF16_ONLY = {"08", "09", "10"}
 # The steps' own learning rates and models, where they differ from the ResNet-9 steps' (tests/jobs.py).
 LEARNING_RATES = {"06": MNIST_LR, "09": VIT_LR, "10": VIT_LR}
