@@ -168,7 +168,7 @@ def build_model(context):
     cp_rank, cp_size = mesh.get_local_rank("cp"), mesh["cp"].size()  # [10]
 
     def keep_own_tokens(module, inputs, tokens):  # [10] the embedding runs whole on every rank
-        # A copy: a view would keep all 64 tokens alive, for the first norm's backward pass.
+        # A copy (a batch above 1): a view keeps all 64 tokens alive for the first norm's backward.
         return tokens.chunk(cp_size, dim=1)[cp_rank].contiguous()  # [10] (batch, 64 / C, width)
 
     # Attention is the one layer where tokens meet: each rank's queries need every token's key
