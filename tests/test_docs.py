@@ -241,6 +241,9 @@ def test_tour_table_diff_sizes_are_current():
 
 @pytest.mark.parametrize("page", PAGES)
 def test_quoted_code_is_the_scripts_own(page):
+    # A caption that is not where the check expects it (the end of a sentence, a blank line before the code)
+    # would leave its quote unchecked.
+    assert len(re.findall(r"From `[\w./-]+\.py`:", PAGES[page])) == len(QUOTE.findall(PAGES[page])), page
     for script, block in QUOTE.findall(PAGES[page]):
         quoted = textwrap.dedent(block).splitlines()
         lines = (ROOT / script).read_text().splitlines()
