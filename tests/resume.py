@@ -32,6 +32,14 @@ def check_exact_resume(launch, tmp_path, make_data=tiny_cifar10, env=None, again
     return stopped, args
 
 
+def check_only_the_last_checkpoint_kept(output_dir):
+    """A resumed run of a step with checkpoint directories (07-10) ends with one, END_STEP's, and the `latest`
+    pointer naming it: the older ones are removed once a newer one is complete."""
+    checkpoints = output_dir / "checkpoints"
+    assert (checkpoints / "latest").read_text() == f"step{END_STEP}"
+    assert sorted(path.name for path in checkpoints.iterdir()) == ["latest", f"step{END_STEP}"]
+
+
 def check_a_finished_run_stands(launch, args, output_dir, env=None):
     """Started again with --resume once it has ended, a run trains nothing, says so, and leaves its outputs as
     they were, byte for byte (evaluating again would rewrite them with an empty epoch's figures)."""

@@ -9,7 +9,7 @@ import pytest
 from jobs import SMALL_RESNET9, SMOKE_ARGS, SYNTHETIC_ARGS, run_job
 from launch import forked, python, torchrun
 from outputs import check_ok, check_smoke_run, read_metrics
-from resume import END_STEP, check_exact_resume
+from resume import check_exact_resume, check_only_the_last_checkpoint_kept
 
 SCRIPT = "08_cifar10_pipeline.py"
 
@@ -56,9 +56,7 @@ def test_resume_mid_epoch_matches_uninterrupted_run(tmp_path):
     Started again, the finished run stands."""
     stopped, _ = check_exact_resume(lambda *args: forked(4, SCRIPT, *args, *SMALL_RESNET9, "--stages", 2),
                                     tmp_path, again=True)
-    checkpoints = stopped / "checkpoints"
-    assert (checkpoints / "latest").read_text() == f"step{END_STEP}"
-    assert sorted(path.name for path in checkpoints.iterdir()) == ["latest", f"step{END_STEP}"]
+    check_only_the_last_checkpoint_kept(stopped)
 
 
 # Two optimizer steps of 2 stages x 4 micro-batches of 2 samples, in float64 with GroupNorm, every action of
