@@ -139,6 +139,49 @@ class MLP(nn.Module):
         return self.down(F.gelu(self.up(x)))
 
 
+class MixtureOfExperts(nn.Module):
+    """Step 11's MLP: `experts` MLPs, of which a router picks `top_k` for each token, their outputs weighed by
+    the router's probabilities, renormalised over the chosen ones. Dropless: an expert takes every token routed
+    to it, however many (no capacity), so the result does not depend on how the tokens are split across ranks.
+    The experts' weights are stacked, (experts, width, hidden) and (experts, hidden, width): expert parallelism
+    splits them along their first dimension. After each forward pass, `balance_loss` is the Switch
+    Transformer's load-balancing loss (experts × the sum over experts of the fraction of assignments it got
+    times its mean probability: 1 when the load is even) and `tokens_per_expert` the assignments it counted."""
+
+    def __init__(self, width, hidden, experts, top_k):
+        super().__init__()
+        if not 1 <= top_k <= experts:
+            raise ValueError(f"top_k {top_k} must be between 1 and the {experts} experts")
+        self.top_k = top_k
+        self.router = nn.Linear(width, experts, bias=False)
+        self.up = nn.Parameter(torch.empty(experts, width, hidden))
+        self.down = nn.Parameter(torch.empty(experts, hidden, width))
+        for weights, fan_in in ((self.up, width), (self.down, hidden)):  # nn.Linear's initialisation, per expert
+            nn.init.uniform_(weights, -fan_in ** -0.5, fan_in ** -0.5)
+        self.balance_loss = self.tokens_per_expert = None
+
+    def forward(self, x):
+        tokens = x.reshape(-1, x.shape[-1])
+        probabilities = self.router(tokens).softmax(dim=-1)
+        weights, chosen = probabilities.topk(self.top_k, dim=-1)
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+        # The assignments, (token, expert) pairs, sorted by expert: each expert's tokens in one slice.
+        experts = chosen.flatten()
+        order = experts.argsort(stable=True)
+        counts = experts.bincount(minlength=self.up.shape[0])
+        outputs = self.run_experts(tokens[order // self.top_k], counts)
+        combined = torch.zeros_like(tokens).index_add(0, order // self.top_k, outputs * weights.flatten()[order, None])
+        self.balance_loss = self.up.shape[0] * (counts / experts.numel() * probabilities.mean(dim=0)).sum()
+        self.tokens_per_expert = counts
+        return combined.view_as(x)
+
+    def run_experts(self, routed, counts):
+        """Each expert's MLP on its slice of `routed` (the tokens sorted by expert, `counts` of each)."""
+        slices = routed.split(counts.tolist())
+        return torch.cat([F.gelu(tokens @ up) @ down for tokens, up, down in zip(slices, self.up, self.down,
+                                                                                  strict=True)])
+
+
 class Block(nn.Module):
     """Pre-norm transformer block: x + dropout(attention(norm(x))), then the same with the MLP."""
 

@@ -11,6 +11,7 @@ import time
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 from data_dirs import mnist_data_dir
 from jobs import catches, run_job
 from launch import ROOT, in_local_processes, python
@@ -225,6 +226,31 @@ def test_model_is_the_documented_size_and_shape():
     model = models.ResNet9()
     assert models.count_parameters(model) == 1_646_122
     assert model(torch.zeros(2, 3, 32, 32)).shape == (2, 10)
+
+
+def test_the_mixture_of_experts_weighs_each_tokens_top_k_experts():
+    """Step 11's MLP against a token-by-token reference, in float64: the same outputs and the same gradients;
+    every assignment counted, none dropped; the balance loss at 1 for a router that cannot prefer an expert."""
+    torch.manual_seed(0)
+    layer = models.MixtureOfExperts(width=8, hidden=16, experts=4, top_k=2).double()
+    x = torch.randn(3, 5, 8, dtype=torch.float64)
+    output = layer(x)
+    tokens = x.reshape(-1, 8)
+    weights, chosen = layer.router(tokens).softmax(dim=-1).topk(2, dim=-1)
+    weights = weights / weights.sum(dim=-1, keepdim=True)
+    expected = torch.stack([sum(weights[token, j] * (F.gelu(tokens[token] @ layer.up[expert]) @ layer.down[expert])
+                                for j, expert in enumerate(chosen[token])) for token in range(len(tokens))])
+    assert torch.allclose(output.reshape(-1, 8), expected, rtol=0, atol=1e-12)
+    assert layer.tokens_per_expert.tolist() == chosen.flatten().bincount(minlength=4).tolist()
+    assert layer.tokens_per_expert.sum() == 15 * 2
+    gradients = torch.autograd.grad(output.sum(), list(layer.parameters()))
+    for gradient, reference in zip(gradients, torch.autograd.grad(expected.sum(), list(layer.parameters())),
+                                   strict=True):
+        assert torch.allclose(gradient, reference, rtol=0, atol=1e-12)
+    with torch.no_grad():
+        layer.router.weight.zero_()  # every expert equally likely: an even split of the probabilities
+    layer(x)
+    assert abs(layer.balance_loss.item() - 1) < 1e-12
 
 
 def test_group_norm_makes_each_sample_independent_of_its_batch():
