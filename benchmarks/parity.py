@@ -8,8 +8,8 @@ Every row trains on the synthetic data with the same seed, global batch (8) and 
 the same number of optimizer steps (without loader workers, which change nothing that is computed), and
 compares its model.pt with its reference row's: the largest relative difference max|a - b| / max|b| over
 all tensors. The runs use the setting that makes the result independent of how a batch is split across
-processes: `--norm group` (GroupNorm instead of BatchNorm) in the ResNet-9 steps, `--no-dropout` in 06, 09
-and 10 (whose vision transformer is compared with 09's in a world of one).
+processes: `--norm group` (GroupNorm instead of BatchNorm) in the ResNet-9 steps, `--no-dropout` in 06 and
+09-11 (10's vision transformer is compared with 09's in a world of one, 11's mixture of experts with 11's).
 
 Most rows run in float64 (benchmarks/float64.py): in float32, summing the same gradients in
 another order rounds differently, and ReLU and max-pooling amplify that chaotically within a few
@@ -66,6 +66,10 @@ ROWS = [
     Row("10 x2", "10_cifar10_context_parallel.py", "torchrun", 2, "float64", STEPS, "09 x1"),
     Row("10 x4", "10_cifar10_context_parallel.py", "torchrun", 4, "float64", STEPS, "09 x1", ("--cp-size", "4")),
     Row("10 2x2", "10_cifar10_context_parallel.py", "torchrun", 4, "float64", STEPS, "09 x1"),
+    Row("11 x1", "11_cifar10_expert_parallel.py", "python", 1, "float64", STEPS, None),
+    Row("11 x2", "11_cifar10_expert_parallel.py", "torchrun", 2, "float64", STEPS, "11 x1"),
+    Row("11 x4", "11_cifar10_expert_parallel.py", "torchrun", 4, "float64", STEPS, "11 x1", ("--ep-size", "4")),
+    Row("11 2x2", "11_cifar10_expert_parallel.py", "torchrun", 4, "float64", STEPS, "11 x1"),
     Row("01 fp32", "01_cifar10_cpu.py", "python", 1, "float32", FLOAT32_STEPS, None),
     Row("05 ZeRO-0 x2", "05_cifar10_deepspeed.py", "torchrun", 2, "float32", FLOAT32_STEPS, "01 fp32",
         ("--zero-stage", "0")),
@@ -85,7 +89,7 @@ def command(row, output_dir, dtype=None, norm="group", data=("--synthetic", "--e
     """The command line of `row`, writing into `output_dir`; `dtype` overrides the row's. `data`: the data set
     and the number of epochs (tests/test_parity.py trains on a small data set for 2 epochs)."""
     in_float64 = ["benchmarks/float64.py"] if (dtype or row.dtype) == "float64" else []
-    options = {"06": MNIST, "09": VIT, "10": VIT}.get(row.script[:2], [*CIFAR10, "--norm", norm])
+    options = {"06": MNIST, "09": VIT, "10": VIT, "11": VIT}.get(row.script[:2], [*CIFAR10, "--norm", norm])
     script, *wrapped = [*in_float64, row.script]
     # accelerate launch without the config's fp16: the reference row runs in full precision too.
     precision = {"config_precision": False} if row.launcher == "accelerate" else {}

@@ -146,10 +146,21 @@ def context_parallel_layout(args, world_size):
     return group_layout(args, world_size, "--cp-size", args.cp_size, models.VIT_TOKENS, "tokens")
 
 
+def expert_parallel_layout(args, world_size):
+    """Step 11's layout, (ep_size, copies): groups of `--ep-size` ranks hold the experts, an equal share each
+    (group_layout), and world size / ep_size copies of them exist. Every rank trains on its own share of each
+    batch. Input that does not fit is one UsageError."""
+    if args.top_k > args.experts:
+        raise UsageError(f"--top-k {args.top_k} is more than the {args.experts} experts")
+    if args.batch_size % world_size:  # --batch-size is global: each process takes an equal share
+        raise UsageError(f"--batch-size {args.batch_size} is not divisible by the world size {world_size}")
+    return group_layout(args, world_size, "--ep-size", args.ep_size, args.experts, "experts")
+
+
 def group_layout(args, world_size, flag, size, parts, unit):
     """(size, replicas) for the vision transformer's steps: groups of `size` ranks (default 2, or 1 alone), each
-    rank with an equal share of the model's `parts` `unit`, and world size / size replicas of the group, which
-    split each batch. Input that does not fit is one UsageError."""
+    rank with an equal share of the model's `parts` `unit`, and world size / size replicas of the group (in 09 and
+    10 they split each batch). Input that does not fit is one UsageError."""
     size = size or min(2, world_size)
     if world_size % size or parts % size:
         raise UsageError(f"{flag} {size} must divide the world size {world_size} and the {parts} {unit}")

@@ -163,6 +163,16 @@ def add_tensor_parallel_argument(parser):
     parser.add_argument("--tp-size", type=positive_int, help="ranks per layer (default: 2, or 1 alone)")
 
 
+def add_expert_parallel_arguments(parser):
+    """Step 11's own flags: the mixture of experts and the expert-parallel group's size."""
+    parser.add_argument("--experts", type=positive_int, default=8, help="experts in each block's mixture")
+    parser.add_argument("--top-k", type=positive_int, default=2, help="experts that each token is routed to")
+    parser.add_argument("--ep-size", type=positive_int, help="ranks that share the experts, each with experts / "
+                        "ep-size of them (default: 2, or 1 alone)")
+    parser.add_argument("--balance-weight", type=float, default=0.01,
+                        help="the weight of the load-balancing loss (the Switch Transformer's 0.01)")
+
+
 def add_context_parallel_argument(parser):
     """Step 10's own flag: the context-parallel group's size."""
     parser.add_argument("--cp-size", type=positive_int, help="ranks per image, each with a share of its tokens "

@@ -7,10 +7,10 @@ the original channels (64): 1.65M parameters instead of 6.57M, four times fewer 
 runs tens of steps in seconds and the tour stays quick to try, while the net keeps the original's
 shape. Pass `width=64` for the full-size net on GPUs.
 
-`VisionTransformer` is a small ViT for steps 09 and 10 (tensor parallelism splits linear layers, not convolutions):
+`VisionTransformer` is a small ViT for steps 09-11 (tensor parallelism splits linear layers, not convolutions):
 4x4 patches (64 tokens), a learned position per patch, 6 pre-norm blocks of width 128 with 4 attention heads
 and an MLP four times as wide, a linear head over all the tokens' features. 1.3M parameters, about the FLOPs of
-ResNet9 at width 32.
+ResNet9 at width 32. With `experts` (step 11), each block's MLP becomes a `MixtureOfExperts`.
 
 `MnistCNN` is the small convolutional net of PyTorch's MNIST example, as the seed article uses it for
 step 06: two 3x3 convolutions (32 and 64 channels), a max-pool, dropout, two linear layers.
@@ -139,14 +139,33 @@ class MLP(nn.Module):
         return self.down(F.gelu(self.up(x)))
 
 
+class Experts(nn.Module):
+    """`experts` MLPs without biases, their weights stacked: (experts, width, hidden) and (experts, hidden, width).
+    Expert parallelism (step 11) splits them along their first dimension, a slice of the experts per rank."""
+
+    def __init__(self, width, hidden, experts):
+        super().__init__()
+        self.up = nn.Parameter(torch.empty(experts, width, hidden))
+        self.down = nn.Parameter(torch.empty(experts, hidden, width))
+        for weights, fan_in in ((self.up, width), (self.down, hidden)):  # nn.Linear's initialisation, per expert
+            nn.init.uniform_(weights, -fan_in ** -0.5, fan_in ** -0.5)
+
+    def forward(self, tokens, counts):
+        """Each expert's MLP on its tokens. `counts`: how many for each expert, in the order of `tokens`, which are
+        sorted by expert; or, under expert parallelism (step 11), (ranks, experts): how many from each rank for
+        each of this rank's experts, the tokens sorted by rank, then by expert."""
+        # Split by expert (step 11), the weights are DTensors: this rank computes with its own experts.
+        up, down = (w.to_local() if hasattr(w, "to_local") else w for w in (self.up, self.down))
+        slices = tokens.split(counts.flatten().tolist())  # on a GPU, waits for the counts
+        return torch.cat([F.gelu(x @ up[i % len(up)]) @ down[i % len(up)] for i, x in enumerate(slices)])
+
+
 class MixtureOfExperts(nn.Module):
     """Step 11's MLP: `experts` MLPs, of which a router picks `top_k` for each token, their outputs weighed by
     the router's probabilities, renormalised over the chosen ones. Dropless: an expert takes every token routed
     to it, however many (no capacity), so the result does not depend on how the tokens are split across ranks.
-    The experts' weights are stacked, (experts, width, hidden) and (experts, hidden, width): expert parallelism
-    splits them along their first dimension. After each forward pass, `balance_loss` is the Switch
-    Transformer's load-balancing loss (experts × the sum over experts of the fraction of assignments it got
-    times its mean probability: 1 when the load is even) and `tokens_per_expert` the assignments it counted."""
+    After each forward pass, `tokens_per_expert` holds the assignments it counted; `balance_loss` is the Switch
+    Transformer's load-balancing loss."""
 
     def __init__(self, width, hidden, experts, top_k):
         super().__init__()
@@ -154,11 +173,8 @@ class MixtureOfExperts(nn.Module):
             raise ValueError(f"top_k {top_k} must be between 1 and the {experts} experts")
         self.top_k = top_k
         self.router = nn.Linear(width, experts, bias=False)
-        self.up = nn.Parameter(torch.empty(experts, width, hidden))
-        self.down = nn.Parameter(torch.empty(experts, hidden, width))
-        for weights, fan_in in ((self.up, width), (self.down, hidden)):  # nn.Linear's initialisation, per expert
-            nn.init.uniform_(weights, -fan_in ** -0.5, fan_in ** -0.5)
-        self.balance_loss = self.tokens_per_expert = None
+        self.experts = Experts(width, hidden, experts)
+        self.tokens_per_expert = self.mean_probabilities = None
 
     def forward(self, x):
         tokens = x.reshape(-1, x.shape[-1])
@@ -168,27 +184,30 @@ class MixtureOfExperts(nn.Module):
         # The assignments, (token, expert) pairs, sorted by expert: each expert's tokens in one slice.
         experts = chosen.flatten()
         order = experts.argsort(stable=True)
-        counts = experts.bincount(minlength=self.up.shape[0])
-        outputs = self.run_experts(tokens[order // self.top_k], counts)
+        counts = experts.bincount(minlength=len(self.router.weight))
+        outputs = self.experts(tokens[order // self.top_k], counts)
         combined = torch.zeros_like(tokens).index_add(0, order // self.top_k, outputs * weights.flatten()[order, None])
-        self.balance_loss = self.up.shape[0] * (counts / experts.numel() * probabilities.mean(dim=0)).sum()
-        self.tokens_per_expert = counts
+        self.tokens_per_expert, self.mean_probabilities = counts, probabilities.mean(dim=0)
         return combined.view_as(x)
 
-    def run_experts(self, routed, counts):
-        """Each expert's MLP on its slice of `routed` (the tokens sorted by expert, `counts` of each)."""
-        slices = routed.split(counts.tolist())
-        return torch.cat([F.gelu(tokens @ up) @ down for tokens, up, down in zip(slices, self.up, self.down,
-                                                                                  strict=True)])
+    def balance_loss(self, counts=None):
+        """experts x the sum over the experts of the fraction of the assignments that each got times its mean
+        probability: 1 when the load is even, up to `experts` when one expert takes every token. `counts`: the
+        assignments counted over the whole batch (step 11 adds up every rank's); by default, the last forward's."""
+        counts = self.tokens_per_expert if counts is None else counts
+        return len(counts) * (counts / counts.sum() * self.mean_probabilities).sum()
 
 
 class Block(nn.Module):
     """Pre-norm transformer block: x + dropout(attention(norm(x))), then the same with the MLP."""
 
-    def __init__(self, width, heads, dropout):
+    def __init__(self, width, heads, dropout, experts=0, top_k=1):
         super().__init__()
         self.attention_norm, self.attention = nn.LayerNorm(width), Attention(width, heads)
-        self.mlp_norm, self.mlp = nn.LayerNorm(width), MLP(width, 4 * width)
+        # A mixture of experts (step 11): each with 1/top_k of the MLP's hidden features, so that a token
+        # costs what it costs in the MLP (fine-grained experts, as DeepSeekMoE's).
+        self.mlp_norm = nn.LayerNorm(width)
+        self.mlp = MixtureOfExperts(width, 4 * width // top_k, experts, top_k) if experts else MLP(width, 4 * width)
         self.attention_dropout, self.mlp_dropout = nn.Dropout(dropout), nn.Dropout(dropout)
 
     def forward(self, x):
@@ -197,14 +216,15 @@ class Block(nn.Module):
 
 
 class VisionTransformer(nn.Module):
-    def __init__(self, num_classes=10, width=128, depth=6, heads=VIT_HEADS, patch=4, dropout=True):
+    def __init__(self, num_classes=10, width=128, depth=6, heads=VIT_HEADS, patch=4, dropout=True, experts=0,
+                 top_k=1):
         super().__init__()
         if width % heads:
             raise ValueError(f"width {width} is not divisible by {heads} heads")
         self.heads = heads
         self.embedding = PatchEmbedding(width, patch)
         # The same rate as the head of ViT's recipe for small data sets; dropout=False: see MnistCNN.
-        self.blocks = nn.ModuleList(Block(width, heads, 0.1 if dropout else 0.0) for _ in range(depth))
+        self.blocks = nn.ModuleList(Block(width, heads, 0.1 if dropout else 0.0, experts, top_k) for _ in range(depth))
         self.norm = nn.LayerNorm(width)
         # A weight for every feature of every token, each place with its own, rather than one for their mean: a
         # synthetic image's class is which colour lies where.
@@ -238,9 +258,10 @@ class MnistCNN(nn.Module):
 
 def build(args):
     """The model that a CIFAR-10 step's flags describe (common/flags.py): ResNet-9 (`--norm`, `--width`) or, for
-    steps 09 and 10, the vision transformer (`--width`, `--no-dropout`)."""
+    steps 09-11, the vision transformer (`--width`, `--no-dropout`; 11's `--experts`, `--top-k`)."""
     if args.model == "vit":
-        return VisionTransformer(width=args.width, dropout=not args.no_dropout)
+        return VisionTransformer(width=args.width, dropout=not args.no_dropout, experts=getattr(args, "experts", 0),
+                                 top_k=getattr(args, "top_k", 1))
     return ResNet9(norm=args.norm, width=args.width)
 
 
@@ -258,7 +279,7 @@ def count_parameters(model):
 def load_weights(path, model_class=ResNet9, **options):
     """A `model.pt` written by any step, loaded on the CPU into a fresh `model_class(**options)`
     (`ResNet9` for the CIFAR-10 steps 01-05, 07 and 08, with `norm="group"` if trained with --norm group;
-    `MnistCNN` for step 06; `VisionTransformer` for steps 09 and 10)."""
+    `MnistCNN` for step 06; `VisionTransformer` for steps 09 and 10, and with `experts=`, `top_k=` for 11)."""
     model = model_class(**options)
     model.load_state_dict(torch.load(path, map_location="cpu", weights_only=True))
     return model

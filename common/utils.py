@@ -399,14 +399,14 @@ def is_main_process():
 class Context:
     """What the run is, built once by a step's `setup` and read by every function, changed by none: the
     arguments, where and in what precision it computes, and its place among the processes (a world of one
-    before step 04; 08-10 lay their ranks out on a mesh)."""
+    before step 04; 08-11 lay their ranks out on a mesh)."""
 
     args: argparse.Namespace
     device: torch.device
     amp_dtype: torch.dtype | None = None  # 02 on: None is plain fp32
     rank: int | None = None  # None: the process group's (04 on), or 0 without one
     world_size: int | None = None  # None: the process group's, or 1
-    mesh: object = None  # a DeviceMesh (08-10)
+    mesh: object = None  # a DeviceMesh (08-11)
 
     def __post_init__(self):
         grouped = dist.is_available() and dist.is_initialized()
@@ -417,14 +417,19 @@ class Context:
 
     @property
     def replicas(self):
-        """How many replicas of the model split each global batch: every process is one (04-07); on a mesh,
-        the size of its "dp" dimension (08's pipelines, 09's and 10's groups are one each)."""
-        return self.mesh["dp"].size() if self.mesh is not None else self.world_size
+        """How many replicas of the model split each global batch: every process is one (04-07, and 11, whose
+        mesh has no "dp" dimension); on a mesh, the size of its "dp" dimension (08's pipelines, 09's and 10's
+        groups are one each)."""
+        return self.mesh["dp"].size() if self._data_parallel_mesh else self.world_size
 
     @property
     def replica(self):
         """This process's replica, 0 to replicas - 1: the part of each global batch that it trains on."""
-        return self.mesh.get_local_rank("dp") if self.mesh is not None else self.rank
+        return self.mesh.get_local_rank("dp") if self._data_parallel_mesh else self.rank
+
+    @property
+    def _data_parallel_mesh(self):
+        return self.mesh is not None and "dp" in self.mesh.mesh_dim_names
 
 
 @dataclasses.dataclass

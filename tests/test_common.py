@@ -238,7 +238,7 @@ def test_the_mixture_of_experts_weighs_each_tokens_top_k_experts():
     tokens = x.reshape(-1, 8)
     weights, chosen = layer.router(tokens).softmax(dim=-1).topk(2, dim=-1)
     weights = weights / weights.sum(dim=-1, keepdim=True)
-    expected = torch.stack([sum(weights[token, j] * (F.gelu(tokens[token] @ layer.up[expert]) @ layer.down[expert])
+    expected = torch.stack([sum(weights[token, j] * (F.gelu(tokens[token] @ layer.experts.up[expert]) @ layer.experts.down[expert])
                                 for j, expert in enumerate(chosen[token])) for token in range(len(tokens))])
     assert torch.allclose(output.reshape(-1, 8), expected, rtol=0, atol=1e-12)
     assert layer.tokens_per_expert.tolist() == chosen.flatten().bincount(minlength=4).tolist()
@@ -250,7 +250,7 @@ def test_the_mixture_of_experts_weighs_each_tokens_top_k_experts():
     with torch.no_grad():
         layer.router.weight.zero_()  # every expert equally likely: an even split of the probabilities
     layer(x)
-    assert abs(layer.balance_loss.item() - 1) < 1e-12
+    assert abs(layer.balance_loss().item() - 1) < 1e-12
 
 
 def test_group_norm_makes_each_sample_independent_of_its_batch():

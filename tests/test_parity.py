@@ -20,10 +20,10 @@ from common import models
 TRAIN_SIZE, TEST_SIZE, EPOCHS = 24, 10, 2
 STEPS = TRAIN_SIZE // 8 * EPOCHS  # the float64 rows' steps
 # Rows of more than 2 processes, and rows that a 2-process row of the same step already holds.
-FULL_TIER = {"03", "04 x4", "05 ZeRO-0 x2", "08 2x2", "09 2x2", "10 x4", "10 2x2"}
+FULL_TIER = {"03", "04 x4", "05 ZeRO-0 x2", "08 2x2", "09 2x2", "10 x4", "10 2x2", "11 x4", "11 2x2"}
 # And smaller models than the benchmark's (06's CNN has no width).
 SMALL_MODELS = {**dict.fromkeys(["01", "03", "04", "05", "07", "08"], list(map(str, SMALL_RESNET9))),
-                **dict.fromkeys(["09", "10"], list(map(str, SMALL_VIT)))}
+                **dict.fromkeys(["09", "10", "11"], list(map(str, SMALL_VIT)))}
 
 
 @pytest.fixture(scope="module")
