@@ -85,7 +85,7 @@ def main():
             break
 
     metrics = record.metrics()  # wall_seconds ends here, before the final writes
-    metrics["tokens_per_expert"] = routed.tolist()  # [11] the last epoch's, block by block
+    metrics["tokens_per_expert"] = routed.tolist()  # [11] the last epoch's (since a resume)
     # Gathering the full weights is a collective: every rank takes part, rank 0 alone receives them
     # (the others get an empty dict), on the CPU, in fp32: model.pt in every step's format.
     # A weight split along both mesh dimensions is gathered in two steps: torch warns on every rank.
@@ -263,7 +263,7 @@ def evaluate(context, model, loader):
         totals[0] += F.cross_entropy(logits.float(), labels, reduction="sum")
         totals[1] += (logits.argmax(dim=1) == labels).sum()
         totals[2] += len(labels)
-    dist.all_reduce(totals)  # [04] sums over ranks: each holds the totals of its own slice
+    dist.all_reduce(totals)  # [11] sums over ranks: each holds the totals of its own slice
     loss_sum, correct, samples = totals.tolist()
     return loss_sum / samples, correct / samples, int(samples)
 

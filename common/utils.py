@@ -342,7 +342,7 @@ def load_checkpoint(path, map_location, weights_only=True):
 _NOT_FLAGS = {"world_size": "number of processes"}
 # The flags that a resumed run must share with its checkpoint: the batches (--batch-size, --seed), the schedule
 # (--epochs), the model's shapes and layers (--width, --norm).
-RESUME_SETTINGS = ("batch_size", "epochs", "seed", "width", "norm")
+RESUME_SETTINGS = ("batch_size", "epochs", "seed", "width", "norm", "experts", "top_k")
 
 
 def resume_settings(args):

@@ -87,6 +87,14 @@ def cases(tmp, port):
             (python("10_cifar10_context_parallel.py", *SYNTHETIC_ARGS, "--cp-size", 2, *out), {}, {}),
         "`--cp-size` that does not divide the 64 tokens (10)":
             (torchrun(3, "10_cifar10_context_parallel.py", *SYNTHETIC_ARGS, "--cp-size", 3, *out), {}, {}),
+        "`--amp fp16` in 11 (no loss scaling across expert-parallel ranks)":
+            (python("11_cifar10_expert_parallel.py", *SYNTHETIC_ARGS, "--amp", "fp16", *out), {}, {}),
+        "`--ep-size` that does not divide the world size (11)":
+            (python("11_cifar10_expert_parallel.py", *SYNTHETIC_ARGS, "--ep-size", 2, *out), {}, {}),
+        "`--ep-size` that does not divide the `--experts` (11)":
+            (torchrun(2, "11_cifar10_expert_parallel.py", *SYNTHETIC_ARGS, "--experts", 3, *out), {}, {}),
+        "a `--top-k` above `--experts` (11)":
+            (python("11_cifar10_expert_parallel.py", *SYNTHETIC_ARGS, "--experts", 2, "--top-k", 3, *out), {}, {}),
         "`--batch-size` of 0 or less": (python("02_cifar10_gpu.py", *SYNTHETIC_ARGS, "--batch-size", 0, *out), {}, {}),
         "`--epochs` of 0 or less": (python("02_cifar10_gpu.py", *SYNTHETIC_ARGS, "--epochs", -1, *out), {}, {}),
         "an unknown `--amp`": (python("02_cifar10_gpu.py", *SYNTHETIC_ARGS, "--amp", "fp8", *out), {}, {}),
@@ -142,6 +150,7 @@ FULL_TIER_ROWS = {
     "`--microbatches` that do not divide a replica's share of the batch (08)",
     "`--tp-size` that does not divide the 4 attention heads (09)",
     "`--cp-size` that does not divide the 64 tokens (10)",
+    "`--ep-size` that does not divide the `--experts` (11)",
     "more replicas than test samples in 05, 07, 09 or 10 (a replica: a process; in 09 and 10, a group)",
     "the rendezvous port in use (torchrun)",
     "the rendezvous port in use (deepspeed)",
@@ -205,6 +214,7 @@ DIVERGED_RUNS = [
     ("08", lambda *args: torchrun(2, "08_cifar10_pipeline.py", *args)),
     ("09", lambda *args: torchrun(2, "09_cifar10_tensor_parallel.py", *args)),
     ("10", lambda *args: torchrun(2, "10_cifar10_context_parallel.py", *args)),
+    ("11", lambda *args: torchrun(2, "11_cifar10_expert_parallel.py", *args)),
 ]
 
 

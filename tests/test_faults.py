@@ -31,7 +31,7 @@ ELASTIC_OPTIONS, ELASTIC_ENV = ["--max-restarts=1"], {"TORCH_DISABLE_SHARE_RDZV_
 
 
 def latest_step(output_dir):
-    """The step of the checkpoint that `checkpoints/latest` names (05, 07-10)."""
+    """The step of the checkpoint that `checkpoints/latest` names (05, 07-11)."""
     return int((output_dir / "checkpoints" / "latest").read_text().removeprefix("step"))
 
 
@@ -47,6 +47,7 @@ STEPS = {
     "08_cifar10_pipeline.py": (HALF_WIDTH["resnet9"], latest_step),
     "09_cifar10_tensor_parallel.py": ([*HALF_WIDTH["vit"], *VIT_LR], latest_step),
     "10_cifar10_context_parallel.py": ([*HALF_WIDTH["vit"], *VIT_LR], latest_step),
+    "11_cifar10_expert_parallel.py": ([*HALF_WIDTH["vit"], *VIT_LR], latest_step),
 }
 
 

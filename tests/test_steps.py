@@ -4,6 +4,7 @@ The quick tier runs each step once as a reader copies it from the README's tour 
 CPU-only machine"), with every default (2 loader workers, the global batch of 256, the model's width), only
 shortened: `--synthetic --max-steps 1`. The full tier's runs (`-m full`) train 30 steps and check learning."""
 
+import functools
 import re
 import shlex
 import sys
@@ -18,7 +19,8 @@ from common import models
 
 README_STEPS = 1  # a run with the README's defaults, cut short: 1 optimizer step, then evaluation and outputs
 MODELS = {"06_mnist_accelerate.py": models.MnistCNN, "09_cifar10_tensor_parallel.py": models.VisionTransformer,
-          "10_cifar10_context_parallel.py": models.VisionTransformer}
+          "10_cifar10_context_parallel.py": models.VisionTransformer,
+          "11_cifar10_expert_parallel.py": functools.partial(models.VisionTransformer, experts=8, top_k=2)}
 
 
 def readme_cpu_commands():

@@ -35,6 +35,9 @@ LESSONS = {
            "loss_parallel()", ".full_tensor()"],
     "10": ["init_device_mesh(", "context_parallel_layout(", "keep_own_tokens(", "funcol.all_gather_single(",
            "register_forward_hook(all_tokens)", "register_forward_pre_hook(", "fully_shard(block, mesh=everyone"],
+    "11": ["init_device_mesh(", "expert_parallel_layout(", "distribute_tensor(", "funcol.all_to_all_single(",
+           "funcol.all_to_all_single_autograd(", "distribute_module(", "fully_shard(block.mlp.experts",
+           "set_all_reduce_hook(", "dist.all_reduce(counts)", "balance_loss("],
 }
 
 
