@@ -25,5 +25,7 @@ torchrun --standalone --nproc_per_node=$procs 08_cifar10_pipeline.py "${args[@]}
 torchrun --standalone --nproc_per_node=$procs 09_cifar10_tensor_parallel.py "${args[@]}" --tp-size $((procs % 2 ? 1 : 2))
 # Context-parallel groups of 2, likewise.
 torchrun --standalone --nproc_per_node=$procs 10_cifar10_context_parallel.py "${args[@]}" --cp-size $((procs % 2 ? 1 : 2))
+# Expert-parallel groups of 2, likewise.
+torchrun --standalone --nproc_per_node=$procs 11_cifar10_expert_parallel.py "${args[@]}" --ep-size $((procs % 2 ? 1 : 2))
 python benchmarks/report.py runs/[01]*/ --output runs/tour.png --title "bash tour.sh, $([ "$gpus" -gt 0 ] && echo "$gpus GPUs" || echo "CPU only")"
 echo "tour finished: outputs in runs/, the picture in runs/tour.png"

@@ -1,6 +1,6 @@
 """What sharding saves, measured per rank: the bytes of parameters, gradients and optimizer state that each
-process holds under DDP (04), DeepSpeed's ZeRO-0 to 3 (05), FSDP2 (07), pipeline (08), tensor parallelism (09) and
-context parallelism (10).
+process holds under DDP (04), DeepSpeed's ZeRO-0 to 3 (05), FSDP2 (07), pipeline (08), tensor parallelism (09),
+context parallelism (10) and expert parallelism (11).
 
     python benchmarks/memory.py --json runs/memory.json --output docs/memory.png   # the table in docs/memory.md
     python benchmarks/memory.py --methods DDP ZeRO-2 --world-sizes 2               # some of it
@@ -16,7 +16,7 @@ ZeRO paper counts it, and reported apart too. Every other tensor that DeepSpeed'
 gradient partitions) is counted as a buffer, by the attribute that holds it; DDP's gradient buckets, as DDP
 reports them. The peak is the most memory in tensors during the second step, from the end of the first
 optimizer step to the end of the second: torch.cuda.max_memory_allocated on a GPU; on a CPU, PyTorch's
-FSDPMemTracker (07, 09, 10) or MemTracker (the others), which follow the tensors counted above and every tensor
+FSDPMemTracker (07, 09-11) or MemTracker (the others), which follow the tensors counted above and every tensor
 that the step creates or touches.
 
 It prints a table, writes one record per method, world size and rank with --json, and draws the bytes per rank
@@ -55,7 +55,8 @@ RUN_ARGS = ["--synthetic", "--num-workers", "0", "--batch-size", "24", "--lr", "
             "--max-steps", str(MEASURED_STEP + 1)]
 # method: (step, its own arguments, ZeRO stage). 08 runs one pipeline stage per process; 09 its default mesh,
 # tensor-parallel groups of 2 (1 alone), which FSDP2 shards across the replicas (2 at 4 processes); 10 one
-# context-parallel group of every process (what a rank holds as C grows), with FSDP2 over every rank.
+# context-parallel group of every process (what a rank holds as C grows), with FSDP2 over every rank; 11 one
+# expert-parallel group of every process (E / N experts each), the rest sharded by FSDP2 over every rank.
 METHODS = {
     "DDP": ("04", [], None),
     **{f"ZeRO-{stage}": ("05", ["--zero-stage", str(stage)], stage) for stage in range(4)},
@@ -63,13 +64,15 @@ METHODS = {
     "pipeline": ("08", [], None),
     "tensor parallel": ("09", [], None),
     "context parallel": ("10", ["--cp-size", "{world_size}"], None),
+    "expert parallel": ("11", ["--ep-size", "{world_size}"], None),
 }
 WORLD_SIZES = [1, 2, 4]
 # The model each step trains, as it builds it by default: Ψ of the formula.
 PARAMETERS = {name: sum(parameter.numel() for parameter in model.parameters())
-              for name, model in (("ResNet-9", models.ResNet9()), ("ViT", models.VisionTransformer()))}
+              for name, model in (("ResNet-9", models.ResNet9()), ("ViT", models.VisionTransformer()),
+                                  ("ViT-MoE", models.VisionTransformer(experts=8, top_k=2)))}
 FP32 = 4  # bytes per weight and per gradient: every run is fp32
-# K, the optimizer's bytes per parameter: SGD's momentum buffer; AdamW's two moments (09, 10); under DeepSpeed's ZeRO-1
+# K, the optimizer's bytes per parameter: SGD's momentum buffer; AdamW's two moments (09-11); under DeepSpeed's ZeRO-1
 # to 3, the momentum and the fp32 copy of the weights that its optimizer updates (the ZeRO paper counts that copy
 # in K: 12 for mixed-precision Adam).
 MOMENTUM_K = 4
@@ -77,8 +80,9 @@ ADAMW_K = 8
 DEEPSPEED_K = 8
 MB = 1e6
 # Ψ and K, as the table and the picture state them.
-SIZES = (f"Ψ = {PARAMETERS['ResNet-9']:,} (ResNet-9), {PARAMETERS['ViT']:,} (the vision transformer of 09 and 10); "
-         f"K = {MOMENTUM_K} (SGD's momentum), {ADAMW_K} for AdamW (09 and 10: two moments) and under ZeRO-1 to 3")
+SIZES = (f"Ψ = {PARAMETERS['ResNet-9']:,} (ResNet-9), {PARAMETERS['ViT']:,} (the vision transformer of 09 and 10), "
+         f"{PARAMETERS['ViT-MoE']:,} (11's, 8 experts per block); K = {MOMENTUM_K} (SGD's momentum), {ADAMW_K} for "
+         f"AdamW (09-11: two moments) and under ZeRO-1 to 3")
 LAUNCH_TIMEOUT = 600  # seconds for one method at one world size (DeepSpeed at 4 processes: about 40 s on 2 cores)
 SMALL = 1000  # bytes: the buffers listed by name are those of this size or more (the rest are scalars)
 
@@ -94,11 +98,11 @@ def parse_args(argv=None):
 
 
 def model_of(method):
-    return "ViT" if method in ("tensor parallel", "context parallel") else "ResNet-9"
+    return {"tensor parallel": "ViT", "context parallel": "ViT", "expert parallel": "ViT-MoE"}.get(method, "ResNet-9")
 
 
 def optimizer_k(method):
-    if model_of(method) == "ViT":
+    if model_of(method) != "ResNet-9":
         return ADAMW_K
     return DEEPSPEED_K if method in ("ZeRO-1", "ZeRO-2", "ZeRO-3") else MOMENTUM_K
 
@@ -106,7 +110,7 @@ def optimizer_k(method):
 def formula_bytes(method, world_size):
     """The ZeRO paper's bytes per device (its Table 1) for this model in fp32: (4 + 4 + K)·Ψ replicated,
     (4 + 4 + K/N)·Ψ, (4 + (4 + K)/N)·Ψ and (4 + 4 + K)·Ψ/N for ZeRO-1, 2 and 3. FSDP2 shards as ZeRO-3; for
-    08-10, (4 + 4 + K)·Ψ/N is what an even split of every weight would give."""
+    08-11, (4 + 4 + K)·Ψ/N is what an even split of every weight would give."""
     psi = PARAMETERS[model_of(method)]
     k, n = optimizer_k(method), world_size
     per_parameter = {"DDP": FP32 + FP32 + k, "ZeRO-0": FP32 + FP32 + k, "ZeRO-1": FP32 + FP32 + k / n,
@@ -366,7 +370,7 @@ def machine():
         names = re.findall(r"^model name\s*:\s*(.+)$", Path("/proc/cpuinfo").read_text(), re.M)
         device = f"{names[0] if names else 'CPU'} ({os.cpu_count()} cores)"
     return (f"{device}, torch {torch.__version__}, DeepSpeed {importlib.metadata.version('deepspeed')}, "
-            f"synthetic data, fp32, global batch 24, SGD with momentum (09, 10: AdamW)")
+            f"synthetic data, fp32, global batch 24, SGD with momentum (09-11: AdamW)")
 
 
 def megabytes(value):
@@ -410,7 +414,7 @@ def draw(records, output):
     columns = min(4, len(methods))
     rows = -(-len(methods) // columns)
     figure, axes = plt.subplots(rows, columns, figsize=(3.6 * columns, 3.3 * rows + 1.2), squeeze=False)
-    # ResNet-9's panels share one scale, so that they compare at a glance; the transformer's (09, 10) another.
+    # ResNet-9's panels share one scale, so that they compare at a glance; the transformers' (09-11) others.
     top = {}
     for record in records:
         model = model_of(record["method"])

@@ -238,7 +238,8 @@ def test_the_mixture_of_experts_weighs_each_tokens_top_k_experts():
     tokens = x.reshape(-1, 8)
     weights, chosen = layer.router(tokens).softmax(dim=-1).topk(2, dim=-1)
     weights = weights / weights.sum(dim=-1, keepdim=True)
-    expected = torch.stack([sum(weights[token, j] * (F.gelu(tokens[token] @ layer.experts.up[expert]) @ layer.experts.down[expert])
+    up, down = layer.experts.up, layer.experts.down
+    expected = torch.stack([sum(weights[token, j] * (F.gelu(tokens[token] @ up[expert]) @ down[expert])
                                 for j, expert in enumerate(chosen[token])) for token in range(len(tokens))])
     assert torch.allclose(output.reshape(-1, 8), expected, rtol=0, atol=1e-12)
     assert layer.tokens_per_expert.tolist() == chosen.flatten().bincount(minlength=4).tolist()

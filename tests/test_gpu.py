@@ -10,6 +10,7 @@ test here is skipped, with the reason.
   over NCCL.
 """
 
+import functools
 import re
 from collections import Counter
 from pathlib import Path
@@ -39,19 +40,21 @@ STEPS = {
     "08": lambda *args: python(SYNC_DEBUG, "08_cifar10_pipeline.py", *args),
     "09": lambda *args: python(SYNC_DEBUG, "09_cifar10_tensor_parallel.py", *args, *VIT_LR),
     "10": lambda *args: python(SYNC_DEBUG, "10_cifar10_context_parallel.py", *args, *VIT_LR),
+    "11": lambda *args: python(SYNC_DEBUG, "11_cifar10_expert_parallel.py", *args, *VIT_LR),
 }
-# 08-10 train in bf16 only: 08 and 09 refuse fp16, whose skipped steps every stage or tensor-parallel rank
-# would have to skip together; 10 refuses it to stay 09 and its lesson.
-BF16_ONLY = {"08", "09", "10"}
+# 08-11 train in bf16 only: 08, 09 and 11 refuse fp16, whose skipped steps every stage, tensor-parallel or
+# expert-parallel rank would have to skip together; 10 refuses it to stay 09 and its lesson.
+BF16_ONLY = {"08", "09", "10", "11"}
 # The steps' own learning rates and models, where they differ from the ResNet-9 steps' (tests/jobs.py).
-LEARNING_RATES = {"06": MNIST_LR, "09": VIT_LR, "10": VIT_LR}
-MODEL_CLASSES = {"06": models.MnistCNN, "09": models.VisionTransformer, "10": models.VisionTransformer}
+LEARNING_RATES = {"06": MNIST_LR, "09": VIT_LR, "10": VIT_LR, "11": VIT_LR}
+MODEL_CLASSES = {"06": models.MnistCNN, "09": models.VisionTransformer, "10": models.VisionTransformer,
+                 "11": functools.partial(models.VisionTransformer, experts=8, top_k=2)}
 AMP_CASES = [(step, amp) for step in STEPS for amp in ("bf16", "fp16") if amp == "bf16" or step not in BF16_ONLY]
 # Where a library itself waits for the GPU once per step, by design: the fp16 scalers read their overflow
 # flag on the CPU to decide whether to step (torch's GradScaler, DeepSpeed's loss scaler).
 LIBRARY_CHECKS = re.compile(r"torch/amp/grad_scaler\.py|deepspeed/runtime/")
 # torch's warnings for a kernel without a deterministic implementation, the second for attention's fused backward
-# passes (09 and 10 run strict deterministic mode, where they are deterministic: common/utils.py), the third for cuBLAS
+# passes (09-11 run strict deterministic mode, where they are deterministic: common/utils.py), the third for cuBLAS
 # under another CUBLAS_WORKSPACE_CONFIG.
 NONDETERMINISTIC = re.compile(r".*(?:does not have a deterministic implementation|defaults to a non-deterministic "
                               r"algorithm|Deterministic behavior was enabled).*")
@@ -110,27 +113,28 @@ PIPELINE_INFERENCE_KEEPS_BUFFERS = torch.__version__ >= "2.14"
 
 @pytest.mark.parametrize("step", ["05", "06", "07", pytest.param("08", marks=pytest.mark.skipif(
     not PIPELINE_INFERENCE_KEEPS_BUFFERS, reason="PyTorch < 2.14: the stage's shape inference moves BatchNorm's "
-    "statistics")), "09", "10"])
+    "statistics")), "09", "10", "11"])
 def test_resume_of_the_multi_process_steps_on_a_gpu_is_exact(step, tmp_path):
     """In a world of one, bf16: DeepSpeed's engine (05), Accelerate's saved state (06), DCP checkpoints (07,
-    09, 10), the pipeline's schedule (08) and the transformer's attention kernels (09, 10), over NCCL where the
+    09-11), the pipeline's schedule (08) and the transformer's attention kernels (09-11), over NCCL where the
     step starts a process group."""
     script, data_maker = SCRIPTS[step], tiny_mnist if step == "06" else tiny_cifar10
     lr = LEARNING_RATES.get(step, [])
     check_exact_resume(lambda *args: python(script, *args, *lr, "--amp", "bf16"), tmp_path, data_maker)
 
 
-@pytest.mark.parametrize("step", ["09", "10"])
+@pytest.mark.parametrize("step", ["09", "10", "11"])
 def test_resume_of_a_group_of_two_gpus_is_exact(step, tmp_path):
-    """A tensor-parallel (09) or context-parallel (10) group of 2 GPUs in bf16, whose collectives run inside every
-    block: stopped and resumed, it ends with the uninterrupted run's weights (run_job skips with fewer GPUs)."""
+    """A tensor-parallel (09), context-parallel (10) or expert-parallel (11) group of 2 GPUs in bf16, whose
+    collectives run inside every block: stopped and resumed, it ends with the uninterrupted run's weights (run_job
+    skips with fewer GPUs)."""
     check_exact_resume(lambda *args: torchrun(2, SCRIPTS[step], *args, *VIT_LR, "--amp", "bf16"), tmp_path)
 
 
 @pytest.mark.parametrize(("step", "amp"), [case for case in AMP_CASES if case[0] >= "04"])
 def test_two_processes_over_nccl(step, amp, tmp_path):
-    """One process per GPU (run_job skips where there are fewer than 2): 08 as two stages, 09 and 10 as one
-    tensor-parallel or context-parallel group of two."""
+    """One process per GPU (run_job skips where there are fewer than 2): 08 as two stages, 09-11 as one
+    tensor-parallel, context-parallel or expert-parallel group of two."""
     script = SCRIPTS[step]
     lr = LEARNING_RATES.get(step, [])
     result = check_ok(run_job(torchrun(2, script, *SMOKE_ARGS, *lr, "--amp", amp, "--output-dir", tmp_path),
