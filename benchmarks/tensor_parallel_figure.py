@@ -66,7 +66,7 @@ BATCH = 2  # images per replica: the shapes are per image, and the counts do not
 PLANS = {SequenceParallel: "sequence", ColwiseParallel: "colwise", RowwiseParallel: "rowwise"}
 COLLECTIVES = {"all_gather_into_tensor": "all-gather", "_allgather_base_": "all-gather",
                "reduce_scatter_tensor": "reduce-scatter", "_reduce_scatter_base_": "reduce-scatter",
-               "all_reduce": "all-reduce"}
+               "all_reduce": "all-reduce", "all_to_all_single": "all-to-all"}
 MIRROR = {"all-gather": "reduce-scatter", "reduce-scatter": "all-gather"}  # what the backward pass runs instead
 TIMEOUT = datetime.timedelta(seconds=60)
 

@@ -133,7 +133,7 @@ def add_cifar10_arguments(parser, model="resnet9"):
 
 
 def add_dropout_argument(parser):
-    """--no-dropout: the counterpart of --norm group for the models with dropout (steps 06, 09 and 10)."""
+    """--no-dropout: the counterpart of --norm group for the models with dropout (steps 06, 09-11)."""
     parser.add_argument("--no-dropout", action="store_true",
                         help="train without dropout, so that the result does not depend on the number of processes "
                              "(docs/parity.md)")

@@ -186,7 +186,7 @@ def use_deterministic_kernels(strict=False):
 
     `strict` stops at an operation that has no deterministic kernel instead (a RuntimeError that names it).
     Only then do attention's fused kernels (`F.scaled_dot_product_attention`'s flash and memory-efficient
-    ones) run a deterministic backward pass; under `warn_only` they add with atomics. Steps 09 and 10 are
+    ones) run a deterministic backward pass; under `warn_only` they add with atomics. Steps 09-11 are
     strict. The others are not: a model of your own would stop at its first such operation, torchvision's
     VGG at `AdaptiveAvgPool2d((7, 7))`'s backward pass, for one. Strict, cuBLAS stops at its first
     product under another workspace setting: that is one error line here.

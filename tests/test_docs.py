@@ -436,6 +436,52 @@ def test_the_context_parallel_figure_uses_the_hooks_of_step_10():
     assert set(registrations) <= set(hooks("benchmarks/context_parallel_figure.py")[1])
 
 
+@pytest.mark.full
+def test_the_expert_parallel_figure_shows_where_each_token_goes(tmp_path):
+    """11's expert parallelism, measured at ep 2, at ep 4 and at 2 copies of ep 2. Every assignment of every rank
+    reaches an expert (dropless), and what a rank sends to a rank is what it routed to that rank's experts. In each
+    block the forward pass runs three all-to-alls in the ep group (the counts, the tokens, the outputs back), the
+    backward pass two (the gradients, the other way); FSDP2's collectives run over every rank, and over each
+    expert's copies where there are two."""
+    output = run_figure_script("expert_parallel_figure.py", tmp_path, "expert-parallel.png")
+    routing, steps = output.split("\n\n")
+    _, _, *rows = routing.splitlines()
+    assignments = 2 * 64 * 2  # 2 images of 64 tokens per rank, top-2
+    assert len(rows) == 2
+    for rank, row in enumerate(rows):
+        numbers = list(map(int, re.findall(r"\d+", row)))
+        assert numbers[0] == rank and len(numbers) == 1 + 8 + 2, row
+        experts, to_ranks = numbers[1:9], numbers[9:]
+        assert sum(experts) == assignments and to_ranks == [sum(experts[:4]), sum(experts[4:])], row
+
+    counts = {(mesh, group, kind): tuple(map(int, (f0, f1, b0, b1))) for mesh, group, kind, f0, f1, b0, b1 in
+              re.findall(r"^(\d x \d) +(ep|edp|all) +([\w-]+) +(\d+) / (\d+) +(\d+) / (\d+) +[\d,-]+$", steps, re.M)}
+    blocks, expected = 6, {}
+    for mesh in ("1 x 2", "1 x 4", "2 x 2"):
+        expected[mesh, "ep", "all-to-all"] = (3, 3 * blocks, 2, 2 * blocks)
+        # FSDP2 over every rank: a gather per unit (6 blocks, the root) in forward, per block in backward (block
+        # 0's prefetched in block 1's backward); a reduce-scatter of each unit's gradients.
+        expected[mesh, "all", "all-gather"] = (1, blocks + 1, 0, blocks)
+        expected[mesh, "all", "reduce-scatter"] = (0, 0, 1, blocks + 1)
+    # Each block's experts, sharded over their 2 copies: gathered in forward and again in backward, their
+    # gradients reduce-scattered. With one copy, FSDP2 has nothing to send.
+    expected["2 x 2", "edp", "all-gather"] = (1, blocks, 1, blocks)
+    expected["2 x 2", "edp", "reduce-scatter"] = (0, 0, 1, blocks)
+    assert counts == expected
+    assert figure_output("docs/expert-parallel.md", "expert_parallel_figure.py", "expert-parallel.png") == output
+
+
+def test_the_expert_parallel_figure_uses_the_expert_parallelism_of_step_11():
+    """The figure copies 11's functions and their registration (a benchmark never imports a step)."""
+    def parts(script):
+        tree = ast.parse((ROOT / script).read_text())
+        return [ast.dump(node) for node in ast.walk(tree) if isinstance(node, ast.FunctionDef) and node.name in (
+            "hold_own_experts", "send_to_experts", "send_back") or isinstance(node, ast.Call) and getattr(
+            node.func, "id", None) == "distribute_module"]
+    assert len(parts("11_cifar10_expert_parallel.py")) == 4
+    assert parts("benchmarks/expert_parallel_figure.py") == parts("11_cifar10_expert_parallel.py")
+
+
 def tiers_of_the_tests():
     """{tests/FILE::NAME: the tiers that run its cases}, from one collection of the whole suite (tests/tiers.py)."""
     result = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "tiers", "-p",
