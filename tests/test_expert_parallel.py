@@ -1,7 +1,6 @@
-"""Step 11 as users launch it on the CPU: expert parallelism under torchrun, alone (a group of 2) and with 2
-copies of the experts (ep 2 x 2), and with every expert on its own rank's pair (ep 4, top-1); exact evaluation,
-the whole model in model.pt, every token routed top-k times and counted, sharded checkpoints that resume
-exactly, dropout included. Parity with a world of one, in float64, is in tests/test_parity.py, a killed worker
+"""Step 11 as users launch it on the CPU: expert parallelism under torchrun, a group of 2 (the default) and a
+group of 4 at top-1; exact evaluation, the whole model in model.pt, every token routed top-k times and counted;
+sharded checkpoints, at ep 2 with 2 copies of the experts, that resume exactly, dropout included. Parity with a world of one, in float64, is in tests/test_parity.py, a killed worker
 and preemption in tests/test_faults.py, bad input in tests/test_errors.py."""
 
 import functools
@@ -23,12 +22,12 @@ TOKENS_PER_IMAGE = models.VIT_TOKENS
 
 @pytest.mark.parametrize("nproc, extra, ep_size, top_k", [
     (2, [], 2, 2),  # the defaults: 8 experts, top-2, ep 2
-    (4, [], 2, 2),  # ep 2, 2 copies of each expert
+    # 2 experts per rank, one per token. 2 copies of ep 2 run in the resume test below.
     (4, ["--ep-size", 4, "--top-k", 1], 4, 1),
 ])
 def test_expert_parallel_step(nproc, extra, ep_size, top_k, tmp_path):
-    # Learning is shown at 2 processes; at 4, a few steps show the outputs of the 2D mesh (their steps equal a
-    # world of one's: the parity rows "11 2x2" and "11 x4").
+    # Learning is shown at 2 processes; at 4, a few steps show the outputs (their steps equal a world of one's:
+    # the parity row "11 x4", at top-2).
     steps = SMOKE_STEPS if nproc == 2 else 5
     result = check_ok(run_job(torchrun(nproc, SCRIPT, *RUN_ARGS, *extra, "--max-steps", steps,
                                        "--output-dir", tmp_path)))
