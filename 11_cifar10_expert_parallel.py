@@ -127,8 +127,8 @@ def setup(args):
     dist.init_process_group(backend, timeout=distributed.TIMEOUT,  # [04]
                             device_id=device if backend == "nccl" else None)  # [04] NCCL: its GPU
     # Groups of P ranks hold the experts, E / P each; world size / P groups hold a copy each. rank =
-    # copy x P + ep rank: a group's ranks are neighbours, on one machine, since every block's
-    # all-to-alls run within the group. "edp" (Megatron's name): the ranks of the same experts.
+    # copy x P + ep rank: a group's ranks are neighbours (one machine's, where P divides its GPUs),
+    # as every block's all-to-alls run in the group. "edp" (Megatron's name): the experts' copies.
     mesh = init_device_mesh(device.type, (copies, ep_size), mesh_dim_names=("edp", "ep"))  # [11]
     return utils.Context(args, device, amp_dtype=flags.AMP_DTYPES[args.amp], mesh=mesh)  # [09]
 
@@ -168,33 +168,33 @@ def build_model(context):
         model = models.build(context.args)  # [07]
     # Each rank of a group holds E / P of every block's experts: a slice of the stacked weights.
     def hold_own_experts(name, experts, ep):  # [11]
-        for name, w in experts.named_parameters(recurse=False):  # [11] up, down
-            setattr(experts, name, torch.nn.Parameter(distribute_tensor(w, ep, [Shard(0)])))  # [11]
+        for key, w in experts.named_parameters(recurse=False):  # [11] up, down
+            setattr(experts, key, torch.nn.Parameter(distribute_tensor(w, ep, [Shard(0)])))  # [11]
     # Before the experts, each token goes to its experts' ranks: to each, as many as it chose.
     def send_to_experts(experts, inputs, ep):  # [11]
         tokens, counts = inputs  # [11] sorted by expert; counts: how many for each of the E experts
-        received = funcol.all_to_all_single(counts, None, None, ep).view(ep.size(), -1)  # [11]
-        sent = counts.view(ep.size(), -1).sum(1).tolist()  # [11] to each rank; on a GPU, a wait
-        experts.splits = sent, received.sum(1).tolist()  # [11] to and from each rank
-        tokens = funcol.all_to_all_single_autograd(tokens, experts.splits[1], sent, ep)  # [11]
+        received = funcol.all_to_all_single(counts, None, None, ep)  # [11] per rank and expert
+        # On a GPU, the block's one wait: both tables to the CPU at once, (rank, expert) each.
+        sent, received = torch.stack([counts, received]).view(2, ep.size(), -1).cpu()  # [11]
+        experts.splits = sent.sum(1).tolist(), received.sum(1).tolist()  # [11] to, from each rank
+        tokens = funcol.all_to_all_single_autograd(tokens, *experts.splits[::-1], ep)  # [11]
         return tokens, received  # [11] by source rank, then by expert: models.Experts reads both
     # After, each output back to its token's rank. Differentiable: gradients go the other way.
     def send_back(experts, outputs, ep):  # [11]
         return funcol.all_to_all_single_autograd(outputs, *experts.splits, ep)  # [11]
-
     for block in model.blocks:  # [11]
         distribute_module(block.mlp.experts, mesh["ep"], hold_own_experts,  # [11]
                           send_to_experts, send_back)  # [11]
-    # FSDP2 as in 07: each expert over its copies ("edp"), the rest over every rank (a 1D mesh of
-    # the world). --amp: the gathered copies in 16 bits; the gradients reduced, and kept, in fp32.
+    # FSDP2 as in 07: each rank's experts over their copies ("edp"), the rest over every rank (a 1D
+    # mesh of the world). --amp: gathered copies in 16 bits; gradients reduced, and kept, in fp32.
     everyone = init_device_mesh(context.device.type, (context.world_size,))  # [11]
     amp_dtype = context.amp_dtype  # [07]
     policy = MixedPrecisionPolicy(param_dtype=amp_dtype,  # [07]
                                   reduce_dtype=torch.float32 if amp_dtype else None)  # [07]
     for block in model.blocks:  # [09]
         fully_shard(block.mlp.experts, mesh=mesh["edp"], mp_policy=policy)  # [11]
-        # An expert's gradients add up its group's P losses: the mean over the copies, divided by P,
-        # is the world's. (set_gradient_divide_factor divides twice on one copy in float64.)
+        # An expert's gradients add up its group's P losses: the mean over its copies, divided by
+        # P, is the world's (FSDP2's set_gradient_divide_factor fails on gloo: expert-parallel.md).
         block.mlp.experts.set_all_reduce_hook(lambda grad: grad.div_(mesh["ep"].size()))  # [11]
         fully_shard(block, mesh=everyone, mp_policy=policy)  # [11]
     # The root returns the logits in fp32 under --amp (reduce_dtype): the loss is computed in fp32.

@@ -58,15 +58,15 @@ def expert_parallel(model, mesh):
     imports a step. tests/test_docs.py checks that the copies stay the same."""
 
     def hold_own_experts(name, experts, ep):
-        for name, w in experts.named_parameters(recurse=False):
-            setattr(experts, name, torch.nn.Parameter(distribute_tensor(w, ep, [Shard(0)])))
+        for key, w in experts.named_parameters(recurse=False):
+            setattr(experts, key, torch.nn.Parameter(distribute_tensor(w, ep, [Shard(0)])))
 
     def send_to_experts(experts, inputs, ep):
         tokens, counts = inputs
-        received = funcol.all_to_all_single(counts, None, None, ep).view(ep.size(), -1)
-        sent = counts.view(ep.size(), -1).sum(1).tolist()
-        experts.splits = sent, received.sum(1).tolist()
-        tokens = funcol.all_to_all_single_autograd(tokens, experts.splits[1], sent, ep)
+        received = funcol.all_to_all_single(counts, None, None, ep)
+        sent, received = torch.stack([counts, received]).view(2, ep.size(), -1).cpu()
+        experts.splits = sent.sum(1).tolist(), received.sum(1).tolist()
+        tokens = funcol.all_to_all_single_autograd(tokens, *experts.splits[::-1], ep)
         return tokens, received
 
     def send_back(experts, outputs, ep):

@@ -156,7 +156,7 @@ class Experts(nn.Module):
         each of this rank's experts, the tokens sorted by rank, then by expert."""
         # Split by expert (step 11), the weights are DTensors: this rank computes with its own experts.
         up, down = (w.to_local() if hasattr(w, "to_local") else w for w in (self.up, self.down))
-        slices = tokens.split(counts.flatten().tolist())  # on a GPU, waits for the counts
+        slices = tokens.split(counts.flatten().tolist())  # a wait on a GPU, unless the counts are on the CPU
         return torch.cat([F.gelu(x @ up[i % len(up)]) @ down[i % len(up)] for i, x in enumerate(slices)])
 
 
@@ -192,8 +192,9 @@ class MixtureOfExperts(nn.Module):
 
     def balance_loss(self, counts=None):
         """experts x the sum over the experts of the fraction of the assignments that each got times its mean
-        probability: 1 when the load is even, up to `experts` when one expert takes every token. `counts`: the
-        assignments counted over the whole batch (step 11 adds up every rank's); by default, the last forward's."""
+        probability: 1 when the load is even, up to experts / top_k when top_k experts take every assignment.
+        `counts`: the assignments counted over the whole batch (step 11 adds up every rank's); by default, the last
+        forward's."""
         counts = self.tokens_per_expert if counts is None else counts
         return len(counts) * (counts / counts.sum() * self.mean_probabilities).sum()
 

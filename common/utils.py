@@ -341,7 +341,7 @@ def load_checkpoint(path, map_location, weights_only=True):
 # Settings that check_resumable compares but that are not flags: how the error message names them.
 _NOT_FLAGS = {"world_size": "number of processes"}
 # The flags that a resumed run must share with its checkpoint: the batches (--batch-size, --seed), the schedule
-# (--epochs), the model's shapes and layers (--width, --norm).
+# (--epochs), the model's shapes and layers (--width, --norm; 11's --experts, --top-k).
 RESUME_SETTINGS = ("batch_size", "epochs", "seed", "width", "norm", "experts", "top_k")
 
 

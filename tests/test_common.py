@@ -230,7 +230,7 @@ def test_model_is_the_documented_size_and_shape():
 
 def test_the_mixture_of_experts_weighs_each_tokens_top_k_experts():
     """Step 11's MLP against a token-by-token reference, in float64: the same outputs and the same gradients;
-    every assignment counted, none dropped; the balance loss at 1 for a router that cannot prefer an expert."""
+    every assignment counted, none dropped; the balance loss, its gradient and its range."""
     torch.manual_seed(0)
     layer = models.MixtureOfExperts(width=8, hidden=16, experts=4, top_k=2).double()
     x = torch.randn(3, 5, 8, dtype=torch.float64)
@@ -248,10 +248,42 @@ def test_the_mixture_of_experts_weighs_each_tokens_top_k_experts():
     for gradient, reference in zip(gradients, torch.autograd.grad(expected.sum(), list(layer.parameters())),
                                    strict=True):
         assert torch.allclose(gradient, reference, rtol=0, atol=1e-12)
-    with torch.no_grad():
-        layer.router.weight.zero_()  # every expert equally likely: an even split of the probabilities
+    # The balance loss against its formula, E x sum(fraction of the assignments x mean probability), and so is
+    # its gradient, which reaches the router through the probabilities alone: this forward's counts, or another
+    # batch's (step 11 passes the whole batch's).
     layer(x)
-    assert abs(layer.balance_loss().item() - 1) < 1e-12
+    probabilities = layer.router(tokens).softmax(dim=-1)
+    for counts in (None, torch.tensor([7, 0, 30, 3])):
+        fractions = (chosen.flatten().bincount(minlength=4) if counts is None else counts) / (30 if counts is None
+                                                                                               else 40)
+        reference = 4 * (fractions * probabilities.mean(dim=0)).sum()
+        loss = layer.balance_loss(counts)
+        assert abs(loss.item() - reference.item()) < 1e-12
+        gradient, = torch.autograd.grad(loss, layer.router.weight, retain_graph=True)
+        expected_gradient, = torch.autograd.grad(reference, layer.router.weight, retain_graph=True)
+        assert torch.allclose(gradient, expected_gradient, rtol=0, atol=1e-12)
+    # Its range: 1 for an even load, experts / top_k when top_k experts take every assignment.
+    with torch.no_grad():
+        layer.router.weight.zero_()  # every expert equally likely
+    layer(x)
+    assert abs(layer.balance_loss(torch.tensor([1, 1, 1, 1])).item() - 1) < 1e-12
+    with torch.no_grad():
+        layer.router.weight.copy_(torch.tensor([1e3, 1e3, -1e3, -1e3])[:, None].expand(4, 8))
+    layer(x.abs())  # experts 0 and 1 take everything, each with a probability of 1/2
+    assert layer.tokens_per_expert.tolist() == [15, 15, 0, 0]
+    assert abs(layer.balance_loss().item() - 4 / 2) < 1e-12
+
+
+def test_the_experts_take_the_tokens_of_several_ranks_in_one_table():
+    """Under expert parallelism (step 11) an expert's tokens arrive from several ranks: `counts` is a table (rank,
+    expert) of the tokens sorted by rank, then by expert. Each token goes through its expert's MLP as alone."""
+    torch.manual_seed(0)
+    experts = models.Experts(width=8, hidden=16, experts=2).double()
+    tokens, table = torch.randn(10, 8, dtype=torch.float64), torch.tensor([[3, 1], [0, 6]])
+    chosen = [0, 0, 0, 1, 1, 1, 1, 1, 1, 1]  # rank 0: 3 for expert 0, 1 for expert 1; rank 1: 6 for expert 1
+    expected = torch.stack([F.gelu(token @ experts.up[e]) @ experts.down[e] for token, e in zip(tokens, chosen,
+                                                                                                  strict=True)])
+    assert torch.allclose(experts(tokens, table), expected, rtol=0, atol=1e-12)
 
 
 def test_group_norm_makes_each_sample_independent_of_its_batch():

@@ -1,7 +1,8 @@
 """Step 11 as users launch it on the CPU: expert parallelism under torchrun, a group of 2 (the default) and a
-group of 4 at top-1; exact evaluation, the whole model in model.pt, every token routed top-k times and counted;
-sharded checkpoints, at ep 2 with 2 copies of the experts, that resume exactly, dropout included. Parity with a world of one, in float64, is in tests/test_parity.py, a killed worker
-and preemption in tests/test_faults.py, bad input in tests/test_errors.py."""
+group of 4 at top-1; exact evaluation, the whole model in model.pt, every token's top-k assignments reported;
+sharded checkpoints, at ep 2 with 2 copies of the experts, that resume exactly, dropout included. Parity with a
+world of one, in float64, is in tests/test_parity.py, a killed worker and preemption in tests/test_faults.py, bad
+input in tests/test_errors.py."""
 
 import functools
 
@@ -37,7 +38,8 @@ def test_expert_parallel_step(nproc, extra, ep_size, top_k, tmp_path):
     check(tmp_path, SCRIPT, world_size=nproc, model_class=model_class, steps=steps)
     metrics = read_metrics(tmp_path)
     assert (metrics["ep_size"], metrics["top_k"]) == (ep_size, top_k)
-    # Dropless: every token of every image of every step reached its top-k experts, in every block.
+    # The report: every token's top-k assignments of every step, in every block (that none is dropped on its
+    # way to an expert, the parity rows show: one process has no way to drop one).
     routed = metrics["tokens_per_expert"]
     assert len(routed) == 6 and all(len(block) == 8 for block in routed), routed
     assert {sum(block) for block in routed} == {steps * metrics["global_batch_size"] * TOKENS_PER_IMAGE * top_k}
