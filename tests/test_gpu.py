@@ -11,6 +11,7 @@ test here is skipped, with the reason.
 """
 
 import functools
+import inspect
 import re
 from collections import Counter
 from pathlib import Path
@@ -77,11 +78,25 @@ def loop_synchronisations(stderr, steps=SMOKE_STEPS):
     return found
 
 
+def expert_synchronisations(stderr):
+    """The source lines where step 11's expert parallelism or its mixture of experts made the CPU wait."""
+    experts = inspect.getsourcelines(models.Experts)[1], inspect.getsourcelines(models.MixtureOfExperts)
+    mixture_lines = range(min(experts[0], experts[1][1]), experts[1][1] + len(experts[1][0]))
+    found = set()
+    for path, number, function in re.findall(r"^sync: (\S+):(\d+) (\w+) \|", stderr, re.M):
+        if function == "send_to_experts" or path.endswith("common/models.py") and int(number) in mixture_lines:
+            found.add(Path(path).read_text().splitlines()[int(number) - 1].strip())
+    return found
+
+
 @pytest.mark.parametrize(("step", "amp"), AMP_CASES)
 def test_the_loop_does_not_wait_for_the_gpu(step, amp, tmp_path):
     result = check_ok(run_job(STEPS[step](*SMOKE_ARGS, "--amp", amp, "--output-dir", tmp_path), timeout=300))
     assert "sync: " in result.stderr, "sync_debug.py reported nothing: is the debug mode on?"
     assert not loop_synchronisations(result.stderr), "\n".join(loop_synchronisations(result.stderr))
+    if step == "11":  # one wait per block, by design: the all-to-alls' sizes, both tables copied at once
+        [line] = expert_synchronisations(result.stderr)
+        assert ".cpu()" in line, line
     # torch warns (use_deterministic_kernels' warn_only) at a kernel that would make --resume drift.
     assert not NONDETERMINISTIC.findall(result.stderr), NONDETERMINISTIC.findall(result.stderr)
 
