@@ -47,10 +47,11 @@ def main():
     speed.barh(labels, [metrics["samples_per_second"] for metrics in runs], color="tab:blue")
     speed.invert_yaxis()  # the first run on top
     speed.set_xlabel("training images per second (all processes)")
-    for metrics, name in zip(runs, labels, strict=True):
+    # 20 colours: the default cycle's 10 would give the eleventh run the first's.
+    for index, (metrics, name) in enumerate(zip(runs, labels, strict=True)):
         history = metrics["history"]
         accuracy.plot([epoch["elapsed_seconds"] for epoch in history], [epoch["test_accuracy"] for epoch in history],
-                      marker="o", label=name)
+                      marker="o", label=name, color=plt.get_cmap("tab20")(index % 20))
     accuracy.axhline(0.1, color="grey", linestyle=":", linewidth=1)  # chance: 10 classes
     accuracy.set_xlabel("seconds since the start of training")
     accuracy.set_ylabel("test accuracy")
