@@ -15,7 +15,6 @@ holds after each module, and the collectives that join the ranks.
 import argparse
 import sys
 import warnings
-from collections import defaultdict
 from pathlib import Path
 
 import launch
@@ -30,6 +29,7 @@ from tensor_parallel_figure import (
     in_block_0,
     local,
     measure_print_and_draw,
+    print_step_collectives,
     shape,
 )
 from torch.distributed.device_mesh import init_device_mesh
@@ -134,18 +134,6 @@ def forward_rows(logs):
     return rows
 
 
-def counts(log):
-    """{(group, kind, pass): [in block 0, in the whole model, values put in per image by the whole model]}."""
-    table = defaultdict(lambda: [0, 0, 0])
-    for event in log:
-        if isinstance(event, Collective):
-            entry = table[event.group, event.kind, event.direction]
-            entry[0] += in_block_0(event)
-            entry[1] += 1
-            entry[2] += event.values
-    return table
-
-
 def print_tables(logs):
     """logs: {(processes, cp size): rank 0's log}."""
     groups_alone = {cp_size: log for (processes, cp_size), log in logs.items() if processes == cp_size}
@@ -155,19 +143,8 @@ def print_tables(logs):
     for label, texts in forward_rows(groups_alone):
         print(f"{label:<22} " + "".join(f"{texts[cp]:<26}" for cp in groups_alone).rstrip())
     print()
-    print("collectives in one training step, rank 0: in block 0 / in the whole model; values it puts in per image")
-    print(f"{'dp x cp':<8} {'group':<6} {'collective':<15} {'forward':>8} {'backward':>9} {'values':>9}")
-    for (processes, cp_size), log in logs.items():
-        table = counts(log)
-        for group in ("cp", "dp", "all"):
-            for kind in ("all-gather", "reduce-scatter", "all-reduce"):
-                forward, backward = (table.get((group, kind, direction), [0, 0, 0])
-                                     for direction in ("forward", "backward"))
-                if forward[1] or backward[1]:
-                    # FSDP2's collectives move weights and gradients, whose size does not depend on the images.
-                    values = f"{(forward[2] + backward[2]) // BATCH:,}" if group == "cp" else "-"
-                    print(f"{f'{processes // cp_size} x {cp_size}':<8} {group:<6} {kind:<15} "
-                          f"{f'{forward[0]} / {forward[1]}':>8} {f'{backward[0]} / {backward[1]}':>9} {values:>9}")
+    print_step_collectives(logs, "dp x cp", ("cp", "dp", "all"), ("all-gather", "reduce-scatter", "all-reduce"),
+                           "cp", BATCH)
 
 
 def draw(logs, cp_size, output):

@@ -16,7 +16,6 @@ that each rank sent to each expert, and the ranks that hold them.
 import argparse
 import sys
 import warnings
-from collections import defaultdict
 from pathlib import Path
 
 import launch
@@ -24,7 +23,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
-from tensor_parallel_figure import OrderedCommDebugMode, in_block_0, measure_print_and_draw
+from tensor_parallel_figure import OrderedCommDebugMode, measure_print_and_draw, print_step_collectives
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import Shard, distribute_module, distribute_tensor
@@ -108,17 +107,6 @@ def measure(rank, ep_size):
     return {"log": log, "routed": routed} if rank == 0 else None
 
 
-def counts(log):
-    """{(group, kind, pass): [in block 0, in the whole model, values put in per image by the whole model]}."""
-    table = defaultdict(lambda: [0, 0, 0])
-    for event in log:
-        entry = table[event.group, event.kind, event.direction]
-        entry[0] += in_block_0(event)
-        entry[1] += 1
-        entry[2] += event.values
-    return table
-
-
 def print_tables(results):
     """results: {(processes, ep size): rank 0's result}."""
     routed = results[RUNS[0]]["routed"]
@@ -133,19 +121,8 @@ def print_tables(results):
         print(f"{'rank ' + str(rank):<8} " + " ".join(f"{count:>5}" for count in per_expert) + "  "
               + " ".join(f"{count:>10}" for count in to_ranks))
     print()
-    print("collectives in one training step, rank 0: in block 0 / in the whole model; values it puts in per image")
-    print(f"{'copies x ep':<12} {'group':<6} {'collective':<15} {'forward':>8} {'backward':>9} {'values':>9}")
-    for (processes, size), result in results.items():
-        table = counts(result["log"])
-        for group in ("ep", "edp", "all"):
-            for kind in KINDS:
-                forward, backward = (table.get((group, kind, direction), [0, 0, 0])
-                                     for direction in ("forward", "backward"))
-                if forward[1] or backward[1]:
-                    # FSDP2's collectives move weights and gradients, whose size does not depend on the images.
-                    values = f"{(forward[2] + backward[2]) // BATCH:,}" if group == "ep" else "-"
-                    print(f"{f'{processes // size} x {size}':<12} {group:<6} {kind:<15} "
-                          f"{f'{forward[0]} / {forward[1]}':>8} {f'{backward[0]} / {backward[1]}':>9} {values:>9}")
+    print_step_collectives({run: result["log"] for run, result in results.items()}, "copies x ep",
+                           ("ep", "edp", "all"), KINDS, "ep", BATCH)
 
 
 def draw(results, ep_size, output):

@@ -17,7 +17,7 @@ import datetime
 import functools
 import sys
 import warnings
-from collections import namedtuple
+from collections import defaultdict, namedtuple
 from pathlib import Path
 
 import launch
@@ -215,6 +215,33 @@ def counts(log):
             block, whole = table.get((event.group, event.kind, event.direction), (0, 0))
             table[event.group, event.kind, event.direction] = (block + in_block_0(event), whole + 1)
     return table
+
+
+def print_step_collectives(logs, layout, groups, kinds, own_group, batch):
+    """The context- and expert-parallel figures' table of one training step's collectives: for each run of `logs`
+    ({(processes, group size): rank 0's log}, `layout` naming the two sizes, "dp x cp"), each of `groups` and
+    `kinds`, how many in block 0 / in the whole model in each pass, and the values that rank 0 puts into
+    `own_group`'s per image (`batch` images). FSDP2's collectives move weights and gradients, whose size does not
+    depend on the images: no values."""
+    print("collectives in one training step, rank 0: in block 0 / in the whole model; values it puts in per image")
+    width = len(layout) + 1
+    print(f"{layout:<{width}} {'group':<6} {'collective':<15} {'forward':>8} {'backward':>9} {'values':>9}")
+    for (processes, size), log in logs.items():
+        table = defaultdict(lambda: [0, 0, 0])
+        for event in log:
+            if isinstance(event, Collective):
+                entry = table[event.group, event.kind, event.direction]
+                entry[0] += in_block_0(event)
+                entry[1] += 1
+                entry[2] += event.values
+        for group in groups:
+            for kind in kinds:
+                forward, backward = (table.get((group, kind, direction), [0, 0, 0])
+                                     for direction in ("forward", "backward"))
+                if forward[1] or backward[1]:
+                    values = f"{(forward[2] + backward[2]) // batch:,}" if group == own_group else "-"
+                    print(f"{f'{processes // size} x {size}':<{width}} {group:<6} {kind:<15} "
+                          f"{f'{forward[0]} / {forward[1]}':>8} {f'{backward[0]} / {backward[1]}':>9} {values:>9}")
 
 
 def print_tables(logs):
