@@ -184,7 +184,9 @@ class MixtureOfExperts(nn.Module):
         # The assignments, (token, expert) pairs, sorted by expert: each expert's tokens in one slice.
         experts = chosen.flatten()
         order = experts.argsort(stable=True)
-        counts = experts.bincount(minlength=len(self.router.weight))
+        # Counted by adding ones: bincount would make the CPU wait for a GPU (it sizes its output by the largest).
+        counts = torch.zeros(len(self.router.weight), dtype=torch.long, device=x.device).index_add(
+            0, experts, torch.ones_like(experts))
         outputs = self.experts(tokens[order // self.top_k], counts)
         combined = torch.zeros_like(tokens).index_add(0, order // self.top_k, outputs * weights.flatten()[order, None])
         self.tokens_per_expert, self.mean_probabilities = counts, probabilities.mean(dim=0)
