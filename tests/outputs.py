@@ -1,5 +1,6 @@
 """What a run printed and wrote: exit status, the reported error, metrics.json and model.pt."""
 
+import functools
 import glob
 import json
 import math
@@ -13,6 +14,8 @@ from launch import ON_GPU
 
 from common import data, models
 
+# Step 11's model at its defaults (--experts 8 --top-k 2): what its model.pt loads into.
+MIXTURE_OF_EXPERTS = functools.partial(models.VisionTransformer, experts=8, top_k=2)
 METRIC_KEYS = {"script", "data", "device", "amp", "world_size", "global_batch_size", "steps", "epochs_completed",
                "train_loss", "test_loss", "test_accuracy", "test_samples", "samples_per_second", "wall_seconds",
                "history"}

@@ -10,7 +10,6 @@ test here is skipped, with the reason.
   over NCCL.
 """
 
-import functools
 import inspect
 import re
 from collections import Counter
@@ -21,7 +20,7 @@ import torch
 from data_dirs import tiny_cifar10, tiny_mnist
 from jobs import MNIST_LR, SMOKE_ARGS, SMOKE_STEPS, VIT_LR, run_job
 from launch import ON_GPU, SCRIPTS, python, torchrun
-from outputs import check_ok, check_smoke_run
+from outputs import MIXTURE_OF_EXPERTS, check_ok, check_smoke_run
 from resume import check_exact_resume
 from torch.utils.data import DistributedSampler
 
@@ -49,7 +48,7 @@ BF16_ONLY = {"08", "09", "10", "11"}
 # The steps' own learning rates and models, where they differ from the ResNet-9 steps' (tests/jobs.py).
 LEARNING_RATES = {"06": MNIST_LR, "09": VIT_LR, "10": VIT_LR, "11": VIT_LR}
 MODEL_CLASSES = {"06": models.MnistCNN, "09": models.VisionTransformer, "10": models.VisionTransformer,
-                 "11": functools.partial(models.VisionTransformer, experts=8, top_k=2)}
+                 "11": MIXTURE_OF_EXPERTS}
 # 10 gathers its tokens with funcol.all_gather_single, which PyTorch 2.11 lacks (measured on a GPU machine).
 ALL_GATHER_SINGLE = torch.__version__ >= "2.14"
 

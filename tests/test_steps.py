@@ -4,7 +4,6 @@ The quick tier runs each step once as a reader copies it from the README's tour 
 CPU-only machine"), with every default (2 loader workers, the global batch of 256, the model's width), only
 shortened: `--synthetic --max-steps 1`. The full tier's runs (`-m full`) train 30 steps and check learning."""
 
-import functools
 import re
 import shlex
 import sys
@@ -13,14 +12,21 @@ import pytest
 from data_dirs import tiny_cifar10
 from jobs import SHORT_RUN_ARGS, SMOKE_ARGS, processes_per_machine, run_job, sized_for
 from launch import BIN, ON_GPU, ROOT, SCRIPTS, free_port, python, torchrun
-from outputs import check_no_shared_memory_left, check_ok, check_outputs, check_smoke_run, read_metrics
+from outputs import (
+    MIXTURE_OF_EXPERTS,
+    check_no_shared_memory_left,
+    check_ok,
+    check_outputs,
+    check_smoke_run,
+    read_metrics,
+)
 
 from common import models
 
 README_STEPS = 1  # a run with the README's defaults, cut short: 1 optimizer step, then evaluation and outputs
 MODELS = {"06_mnist_accelerate.py": models.MnistCNN, "09_cifar10_tensor_parallel.py": models.VisionTransformer,
           "10_cifar10_context_parallel.py": models.VisionTransformer,
-          "11_cifar10_expert_parallel.py": functools.partial(models.VisionTransformer, experts=8, top_k=2)}
+          "11_cifar10_expert_parallel.py": MIXTURE_OF_EXPERTS}
 
 
 def readme_cpu_commands():
