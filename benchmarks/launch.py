@@ -1,6 +1,7 @@
 """How the tests and the benchmarks start the steps: the tour's scripts, the command lines of their
 launchers, and the environment they run in. The tests import it too (tests/conftest.py)."""
 
+import itertools
 import os
 import runpy
 import signal
@@ -113,6 +114,14 @@ def _run_forked(nproc, argv):
               "LOCAL_WORLD_SIZE": str(nproc)}
     if nproc > 1 and "OMP_NUM_THREADS" not in os.environ:
         shared["OMP_NUM_THREADS"] = "1"  # torchrun's default for several workers
+    # What the step imports (DTensor, DCP, DeepSpeed...), imported once here, not once per rank: the top level of
+    # each script that `argv` starts with (benchmarks/float64.py, then the step it runs; `main()` runs only as
+    # "__main__").
+    for script in itertools.takewhile(lambda arg: arg.endswith(".py"), argv):
+        sys.path[0] = os.path.dirname(os.path.abspath(script))
+        runpy.run_path(script, run_name="__imports_only__")
+    sys.stdout.flush()  # what the imports printed, once: not again from each rank's copy of the buffer
+    sys.stderr.flush()
     ranks = {}
     for rank in range(nproc):
         pid = os.fork()

@@ -12,11 +12,13 @@ single-process run, and a resumed run can pick up in the middle of an epoch.
 
 import contextlib
 import fcntl
+import inspect
 import itertools
 import math
 import multiprocessing
 import os
 import socket
+import sys
 import threading
 import time
 from pathlib import Path
@@ -78,8 +80,22 @@ def worker_options(num_workers):
     with their trainer."""
     if not num_workers:
         return {"num_workers": 0}
+    WORKER_CONTEXT.set_forkserver_preload(_imports_of_main())  # before the first worker starts the server
     return {"num_workers": num_workers, "multiprocessing_context": WORKER_CONTEXT, "persistent_workers": True,
             "worker_init_fn": EndWithTrainer()}
+
+
+def _imports_of_main():
+    """torch and the modules of torch that the running script imported (DTensor, DCP, FSDP...): the forkserver
+    imports them once, and each worker's import of the script then finds them done (a preload of "__main__",
+    the script itself, does nothing before Python 3.13.8: CPython gh-126631). Other packages stay out: some ask
+    at import whether CUDA is there (DeepSpeed), and the server must start no thread; each worker imports them."""
+    names = set()
+    for value in vars(sys.modules["__main__"]).values():
+        name = value.__name__ if inspect.ismodule(value) else getattr(value, "__module__", None)
+        if isinstance(name, str) and name.startswith("torch.") and name in sys.modules:
+            names.add(name)
+    return ["torch", *sorted(names)]
 
 
 class ImageDataset(Dataset):
