@@ -25,6 +25,49 @@ SHARED_FIXTURES = {"test_ddp_from_scratch", "test_deepspeed", "test_faults", "te
                    "test_parity", "test_pipeline", "test_recipe", "test_slurm", "test_templates"}
 
 
+def pytest_addoption(parser):
+    parser.addoption("--shard", metavar="K/N", help="run only the K-th of N shards of the selected tests, K from 1 "
+                     "to N (the tests in turn, in the order of their ids): .ci/run runs one shard of the full tier "
+                     "per commit (docs/testing.md)")
+
+
+def shard_option(config):
+    """(K, N) of `--shard K/N`, or None."""
+    value = config.getoption("--shard")
+    if value is None:
+        return None
+    shard, _, count = value.partition("/")
+    if not (shard.isdigit() and count.isdigit() and 1 <= int(shard) <= int(count)):
+        raise pytest.UsageError(f"--shard {value}: K/N, K from 1 to N")
+    return int(shard), int(count)
+
+
+@pytest.hookimpl(trylast=True)  # after -m has deselected the other tiers
+def pytest_collection_modifyitems(config, items):
+    if shard_option(config) is None:
+        return
+    shard, count = shard_option(config)
+    kept = set(shards([(item.nodeid, item.fixturenames) for item in items], count)[shard - 1])
+    config.hook.pytest_deselected(items=[item for item in items if item.nodeid not in kept])
+    items[:] = [item for item in items if item.nodeid in kept]
+
+
+# The module-scoped fixtures whose run (a benchmark, a trace, a cluster, network namespaces) several tests share.
+SHARED_RUNS = {"measured", "one_node", "two_hosts", "traced", "runs", "slurm", "without_accumulation"}
+
+
+def shards(tests, count):
+    """`count` lists of test ids from `tests`, [(id, fixture names)]: the units in turn, in the order of their
+    names, so that each shard gets its share of every parametrized family (each step's faults, each template's
+    checks). A unit is the tests of a module that use one of its SHARED_RUNS, which then runs once, or a test."""
+    def unit(test_id, fixtures):
+        shared = sorted(SHARED_RUNS.intersection(fixtures))
+        return f"{test_id.split('::')[0]}::{shared[0]}" if shared else test_id
+
+    position = {name: index for index, name in enumerate(sorted({unit(*test) for test in tests}))}
+    return [[test[0] for test in tests if position[unit(*test)] % count == shard] for shard in range(count)]
+
+
 def pytest_xdist_auto_num_workers(config):
     """`-n auto` (pyproject.toml): two workers, each running one test's job at a time. On 2 cores most of a job
     is Python starting on one core (torchrun imports torch before its workers do): a second job fills the
@@ -37,6 +80,7 @@ def pytest_configure(config):
     user's OMP_NUM_THREADS is kept). A single process would otherwise take a thread per core, and two such jobs
     at once oversubscribe the cores (on the 2-core development CPU, AVX2 held, two fp16 smoke runs of 02 side by side
     took 88 s at 2 threads each, 56 s at one)."""
+    shard_option(config)  # a bad --shard stops here, before xdist's workers collect
     if int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", 1)) > 1 and "OMP_NUM_THREADS" not in os.environ:
         os.environ["OMP_NUM_THREADS"] = "1"  # the jobs inherit it (launch.environment)
         torch.set_num_threads(1)  # the tests that compute in their own process
