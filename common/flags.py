@@ -50,6 +50,13 @@ def _non_negative_int(text):
     return value
 
 
+def _non_negative_float(text):
+    value = float(text)
+    if not value >= 0:  # NaN too
+        raise argparse.ArgumentTypeError(f"must be 0 or more, got {text}")
+    return value
+
+
 def _positive_float(text):
     value = float(text)
     if not value > 0:
@@ -169,7 +176,7 @@ def add_expert_parallel_arguments(parser):
     parser.add_argument("--top-k", type=positive_int, default=2, help="experts that each token is routed to")
     parser.add_argument("--ep-size", type=positive_int, help="ranks that share the experts, each with experts / "
                         "ep-size of them (default: 2, or 1 alone)")
-    parser.add_argument("--balance-weight", type=float, default=0.01,
+    parser.add_argument("--balance-weight", type=_non_negative_float, default=0.01,  # a negative one rewards imbalance
                         help="the weight of the load-balancing loss (the Switch Transformer's 0.01)")
 
 

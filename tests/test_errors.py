@@ -95,6 +95,8 @@ def cases(tmp, port):
             (torchrun(2, "11_cifar10_expert_parallel.py", *SYNTHETIC_ARGS, "--experts", 3, *out), {}, {}),
         "a `--top-k` above `--experts` (11)":
             (python("11_cifar10_expert_parallel.py", *SYNTHETIC_ARGS, "--experts", 2, "--top-k", 3, *out), {}, {}),
+        "a negative `--balance-weight` (11)":
+            (python("11_cifar10_expert_parallel.py", *SYNTHETIC_ARGS, "--balance-weight", -0.01, *out), {}, {}),
         "`--batch-size` of 0 or less": (python("02_cifar10_gpu.py", *SYNTHETIC_ARGS, "--batch-size", 0, *out), {}, {}),
         "`--epochs` of 0 or less": (python("02_cifar10_gpu.py", *SYNTHETIC_ARGS, "--epochs", -1, *out), {}, {}),
         "an unknown `--amp`": (python("02_cifar10_gpu.py", *SYNTHETIC_ARGS, "--amp", "fp8", *out), {}, {}),
