@@ -89,7 +89,7 @@ def _imports_of_main():
     """torch and the modules of torch that the running script imported (DTensor, DCP, FSDP...): the forkserver
     imports them once, and each worker's import of the script then finds them done (a preload of "__main__",
     the script itself, does nothing before Python 3.13.8: CPython gh-126631). Other packages stay out: some ask
-    at import whether CUDA is there (DeepSpeed), and the server must start no thread; each worker imports them."""
+    at import whether CUDA is there (DeepSpeed), which the server must not; each worker imports them itself."""
     names = set()
     for value in vars(sys.modules["__main__"]).values():
         name = value.__name__ if inspect.ismodule(value) else getattr(value, "__module__", None)

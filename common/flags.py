@@ -1,6 +1,7 @@
 """The command-line contract that every step shares (the README's "The command-line contract")."""
 
 import argparse
+import math
 import os
 
 import torch
@@ -52,8 +53,8 @@ def _non_negative_int(text):
 
 def _non_negative_float(text):
     value = float(text)
-    if not value >= 0:  # NaN too
-        raise argparse.ArgumentTypeError(f"must be 0 or more, got {text}")
+    if not 0 <= value < math.inf:  # NaN too
+        raise argparse.ArgumentTypeError(f"must be a finite number, 0 or more, got {text}")
     return value
 
 

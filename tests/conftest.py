@@ -52,8 +52,9 @@ def pytest_collection_modifyitems(config, items):
     items[:] = [item for item in items if item.nodeid in kept]
 
 
-# The module-scoped fixtures whose run (a benchmark, a trace, a cluster, network namespaces) several tests share.
-SHARED_RUNS = {"measured", "one_node", "two_hosts", "traced", "runs", "slurm", "without_accumulation"}
+# The module-scoped fixtures whose run (a benchmark, a trace, a cluster, network namespaces) several tests share,
+# each test naming it as an argument (what `item.fixturenames` holds).
+SHARED_RUNS = {"measured", "one_node", "two_hosts", "traced", "runs", "slurm"}
 
 
 def shards(tests, count):

@@ -2,6 +2,7 @@
 for GitHub, and zizmor's security audit finds nothing in it. Both linters work offline. And .ci/run's share
 of the full tier."""
 
+import os
 import re
 import subprocess
 
@@ -40,16 +41,16 @@ def test_the_full_tier_runs_on_pull_requests_by_hand_and_weekly_and_the_quick_ti
 
 def test_ci_runs_a_shard_of_the_full_tier_in_turn_and_the_shards_hold_every_test_once():
     ci = (ROOT / ".ci" / "run").read_text()
-    assert '-m "full or slow" --shard "${SHARD:-$(( commits % 4 + 1 ))/4}"' in ci
-    # The shard that .ci/run's lines choose in this checkout: the next one with each commit on main.
-    lines = [line for line in ci.splitlines() if line.startswith(("commits=", "[ "))]
-    chosen = subprocess.run(["bash", "-euc", "\n".join([*lines, 'echo "$(( commits % 4 + 1 ))"'])], cwd=ROOT,
-                            capture_output=True, text=True, timeout=60)
-    commits = subprocess.run(["git", "rev-list", "--first-parent", "--count", "HEAD"], cwd=ROOT, capture_output=True,
-                             text=True, timeout=60).stdout
-    if commits and subprocess.run(["git", "rev-parse", "--is-shallow-repository"], cwd=ROOT, capture_output=True,
-                                  text=True, timeout=60).stdout.strip() == "false":
-        assert chosen.stdout == f"{int(commits) % 4 + 1}\n", chosen.stderr
+    assert '.venv/bin/python -m pytest -m "full or slow" --shard "$SHARD"' in ci
+    # The shard that .ci/run's own lines choose in this checkout: the next one with each commit on main.
+    choice = ci[ci.index('if [ -z "${SHARD:-}" ]'):ci.index("\nfi\n") + 4]
+    chosen = subprocess.run(["bash", "-euc", f'{choice}echo "$SHARD"'], cwd=ROOT, capture_output=True, text=True,
+                            timeout=60, env={**os.environ, "SHARD": ""})
+    git = [subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, timeout=60, check=True).stdout
+           for args in (["rev-parse", "--is-shallow-repository"], ["rev-list", "--first-parent", "--count", "HEAD"],
+                        ["rev-parse", "--short=8", "HEAD"])]
+    commits = int(git[2], 16) if git[0].strip() == "true" else int(git[1])
+    assert chosen.stdout == f"{commits % 4 + 1}/4\n", chosen.stderr
     tests = [("tests/test_a.py::test_one[04]", ["tmp_path"]), ("tests/test_a.py::test_one[05]", ["tmp_path"]),
              ("tests/test_a.py::test_one[07]", []), ("tests/test_b.py::test_table", ["measured"]),
              ("tests/test_b.py::test_rows[1]", ["measured", "tmp_path"]), ("tests/test_b.py::test_alone", [])]
@@ -58,9 +59,12 @@ def test_ci_runs_a_shard_of_the_full_tier_in_turn_and_the_shards_hold_every_test
     assert [shard for shard in parts if "tests/test_b.py::test_table" in shard] == [
         shard for shard in parts if "tests/test_b.py::test_rows[1]" in shard]  # one run of `measured`
     assert {len([test for test in shard if "test_one" in test]) for shard in parts} == {1}  # a family spread out
-    # Each name is a module-scoped fixture of the tests: a renamed one would split its tests again.
+    # Each name is a module-scoped fixture that tests take as an argument: one they fetched by name, or a renamed
+    # one, would not keep its tests together.
     sources = "".join(path.read_text() for path in (ROOT / "tests").glob("test_*.py"))
-    assert all(f'@pytest.fixture(scope="module")\ndef {name}(' in sources for name in SHARED_RUNS)
+    for name in SHARED_RUNS:
+        assert f'@pytest.fixture(scope="module")\ndef {name}(' in sources, name
+        assert re.search(rf"^def test_\w+\([^)]*\b{name}\b", sources, flags=re.M), name
 
 
 # GitHub's schema (vendored in check-jsonschema: no download), and a timeout on every job: without
