@@ -44,9 +44,10 @@ def shard_option(config):
 
 @pytest.hookimpl(trylast=True)  # after -m has deselected the other tiers
 def pytest_collection_modifyitems(config, items):
-    if shard_option(config) is None:
+    option = shard_option(config)
+    if option is None:
         return
-    shard, count = shard_option(config)
+    shard, count = option
     kept = set(shards([(item.nodeid, item.fixturenames) for item in items], count)[shard - 1])
     config.hook.pytest_deselected(items=[item for item in items if item.nodeid not in kept])
     items[:] = [item for item in items if item.nodeid in kept]

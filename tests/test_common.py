@@ -5,8 +5,10 @@ import datetime
 import itertools
 import os
 import signal
+import sys
 import threading
 import time
+import types
 
 import numpy as np
 import pytest
@@ -365,6 +367,22 @@ def test_a_resumed_epoch_skips_batches_without_loading_them(synthetic):
     resumed = [images for images, _ in data.BatchLoader(counted, 24, sampler=sampler, drop_last=True).batches(7, 10)]
     assert len(counted.loaded) == 3  # batches 7, 8 and 9: the first 7 were never loaded
     assert all(torch.equal(a, b) for a, b in zip(resumed, whole_epoch[7:10], strict=True))
+
+
+def test_the_forkserver_preloads_the_modules_of_torch_that_the_script_imported(monkeypatch):
+    """Each loader worker imports the script again: the server has imported its modules of torch (by a module or
+    by a name from it) before it forks them. Other packages stay out (DeepSpeed asks about CUDA at import), and
+    so do the script's own names."""
+    import torch.distributed.checkpoint as dcp
+    import yaml
+    from torch.distributed.fsdp import fully_shard
+
+    script = types.ModuleType("__main__")
+    script.dcp, script.fully_shard, script.F, script.yaml, script.steps = dcp, fully_shard, F, yaml, 3
+    script.main = types.FunctionType((lambda: None).__code__, script.__dict__, "main")  # the script's own function
+    monkeypatch.setitem(sys.modules, "__main__", script)
+    assert data._imports_of_main() == ["torch", *sorted(
+        ["torch.distributed.checkpoint", fully_shard.__module__, "torch.nn.functional"])]
 
 
 def test_persistent_workers_see_each_epochs_augmentation(synthetic):
