@@ -52,8 +52,11 @@ def finished(tmp_path_factory):
     return run
 
 
+# The quick tier launches the DDP template; the full tier the other three (about 40 s each on a 2-core CPU, most
+# of it their spawned loader workers importing torch).
 @pytest.mark.parametrize("nproc", [2])  # 2 processes: 501 and 500 test samples, unequal slices
-@pytest.mark.parametrize("name", STEPS)
+@pytest.mark.parametrize("name", [pytest.param(name, marks=[pytest.mark.full] if name != "ddp" else [])
+                                  for name in STEPS])
 def test_template_learns_and_counts_every_test_sample_once(name, nproc, finished):
     metrics = read_metrics(finished(name, nproc))
     assert (metrics["world_size"], metrics["epochs"]) == (nproc, EPOCHS)
