@@ -4,8 +4,8 @@ The rows run as benchmarks/parity.py runs them, shortened: a small data set of 3
 whose 6 steps cross an epoch boundary (where a sampler that is not told the epoch would repeat the first
 epoch's order), instead of 20 steps in one epoch; smaller models (SMALL_MODELS); torchrun's processes
 forked (`launch.forked`: what they compute is the claim, not how torchrun starts them). The float32 rows
-(05's) run the benchmark's 2 steps, on the same small data set. The quick tier runs each distributed step's row at 2 processes and its
-reference; the full tier the rest."""
+(05's) run the benchmark's 2 steps, on the same small data set. The quick tier runs each distributed step's row
+at 2 processes and its reference; the full tier the rest."""
 
 import dataclasses
 
