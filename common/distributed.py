@@ -74,17 +74,17 @@ RESTART_COUNTS = ("TORCHELASTIC_RESTART_COUNT", "SLURM_RESTART_COUNT")
 
 def should_resume(resume, *path):
     """Whether to load the checkpoint at `path` (a file, its parts joined): --resume, or a job started again
-    that finds one. Decided by what rank 0 sees, the same on every rank: if a rank that must load it cannot
-    see it (no file system shared by the machines, or one that lags), every rank stops with one error,
-    instead of that rank starting at step 0 while the others resume (their collectives would mis-pair).
-    Every rank must call it."""
+    where a rank finds one. Decided from what every rank sees, the same on every rank: if some ranks see it and
+    others cannot (no file system shared by the machines, or one that lags), every rank stops with one error,
+    instead of some starting at step 0 while the others resume (their collectives would mis-pair), or all of
+    them starting over because rank 0 landed on a machine without it. Every rank must call it."""
     checkpoint = os.path.join(*path)
     restarted = any(int(os.environ.get(name, "0")) > 0 for name in RESTART_COUNTS)
     seen = [os.path.isfile(checkpoint)]
     if dist.is_initialized():
         seen = [None] * dist.get_world_size()
         dist.all_gather_object(seen, os.path.isfile(checkpoint))
-    if not (resume or restarted and seen[0]):
+    if not (resume or restarted and any(seen)):
         return False
     blind = [str(rank) for rank, found in enumerate(seen) if not found]
     if blind and len(blind) < len(seen):  # none sees it: load_checkpoint's own error, on every rank
@@ -228,8 +228,9 @@ class Preemption:
         for number in self.STOP_SIGNALS:  # for a thread that started before the block below (imports start some)
             signal.signal(number, self._handle)
         # Processes started by spawn or forkserver (Python 3.14's default on Linux) need multiprocessing's resource
-        # tracker, which unblocks SIGTERM in the thread that starts it. Started now, before the block, it never
-        # starts again.
+        # tracker, which unblocks SIGTERM in the thread that starts it. Started now, before the block, it starts
+        # again only if it dies (it ignores SIGTERM, not SIGUSR1): then SIGTERM reaches that thread, and the
+        # handler above still takes it.
         resource_tracker.ensure_running()
         signal.pthread_sigmask(signal.SIG_BLOCK, self.STOP_SIGNALS)
         if first:

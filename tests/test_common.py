@@ -445,11 +445,12 @@ def test_a_checkpoint_restores_on_fewer_visible_gpus(monkeypatch):
 @pytest.mark.parametrize(("resume", "restarted", "seen_by", "expected"), [
     (False, True, (0, 1), "resumes"),
     (False, True, (0,), "rank(s) 1 cannot see"),  # no file system shared with rank 0
-    (False, True, (1,), "starts over"),  # rank 0 decides: it sees no checkpoint
+    (False, True, (1,), "rank(s) 0 cannot see"),  # rank 0 on a machine without it: not a silent start over
+    (False, True, (), "starts over"),  # restarted before the first checkpoint
     (True, False, (1,), "rank(s) 0 cannot see"),  # --resume, and rank 0 alone cannot see it
     (False, False, (0, 1), "starts over"),  # neither --resume nor a restart: a first run in a used folder
 ])
-def test_rank_0_decides_whether_to_resume_for_every_rank(resume, restarted, seen_by, expected, tmp_path, monkeypatch):
+def test_every_rank_takes_the_same_decision_to_resume(resume, restarted, seen_by, expected, tmp_path, monkeypatch):
     """Every rank passes the same path; each resolves it in a folder of its own, as on machines without a
     shared file system. The decision, or the error, is the same on every rank."""
     for rank in seen_by:
