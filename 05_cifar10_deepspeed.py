@@ -58,7 +58,7 @@ def main():
     distributed.remove_deepspeed_shared_memory()  # [05] CPU, deepspeed launcher: 69 MB per rank
     state = utils.State(model, optimizer, scheduler, last_step)  # [05] the loop calls the engine
 
-    # Started again (torchrun --max-restarts, a requeued Slurm job)? Rank 0 decides for all.
+    # Started again (torchrun --max-restarts, a requeued Slurm job)? The ranks decide together.
     if distributed.should_resume(args.resume, args.output_dir, "checkpoints", "latest"):  # [05]
         load_checkpoint(context, state)
         if utils.finished(args.output_dir, state.step, last_step):  # run again after its end

@@ -54,7 +54,7 @@ def main():
     set_seed(args.seed, device_specific=True)  # [06]
     state = utils.State(model, optimizer, scheduler, last_step)  # [06]
 
-    # Started again (torchrun --max-restarts, a requeued Slurm job)? Rank 0 decides for all.
+    # Started again (torchrun --max-restarts, a requeued Slurm job)? The ranks decide together.
     if distributed.should_resume(args.resume, args.output_dir, "checkpoint.pt"):  # [04]
         load_checkpoint(context, state, accelerator)  # [06]
         if utils.finished(args.output_dir, state.step, last_step):  # run again after its end

@@ -58,7 +58,7 @@ def main():
     last_step = min(args.max_steps, total_steps) if args.max_steps else total_steps
     state = utils.State(stage, optimizer, scheduler, last_step)  # [08] bf16 or fp32: no scaler
 
-    # Started again (torchrun --max-restarts, a requeued Slurm job)? Rank 0 decides for all.
+    # Started again (torchrun --max-restarts, a requeued Slurm job)? The ranks decide together.
     if distributed.should_resume(args.resume, args.output_dir, "checkpoints", "latest"):  # [08]
         load_checkpoint(context, state)
         if utils.finished(args.output_dir, state.step, last_step):  # run again after its end

@@ -80,16 +80,20 @@ def should_resume(resume, *path):
     them starting over because rank 0 landed on a machine without it. Every rank must call it."""
     checkpoint = os.path.join(*path)
     restarted = any(int(os.environ.get(name, "0")) > 0 for name in RESTART_COUNTS)
-    seen = [os.path.isfile(checkpoint)]
+    views = [(os.path.isfile(checkpoint), restarted)]
     if dist.is_initialized():
-        seen = [None] * dist.get_world_size()
-        dist.all_gather_object(seen, os.path.isfile(checkpoint))
-    if not (resume or restarted and any(seen)):
+        views = [None] * dist.get_world_size()
+        dist.all_gather_object(views, (os.path.isfile(checkpoint), restarted))
+    seen = [found for found, _ in views]
+    # Each machine's torchrun counts its own restarts (one whose workers were still running restarts them
+    # without counting): a restart anywhere is a restart for all.
+    if not (resume or any(again for _, again in views) and any(seen)):
         return False
     blind = [str(rank) for rank, found in enumerate(seen) if not found]
     if blind and len(blind) < len(seen):  # none sees it: load_checkpoint's own error, on every rank
         raise UsageError(f"rank(s) {', '.join(blind)} cannot see {checkpoint}, which the others see: put "
-                         "--output-dir on a file system that every machine shares")
+                         "--output-dir on a file system that every machine shares (or remove the checkpoint, if an "
+                         "earlier job left it)")
     return True
 
 
@@ -228,9 +232,9 @@ class Preemption:
         for number in self.STOP_SIGNALS:  # for a thread that started before the block below (imports start some)
             signal.signal(number, self._handle)
         # Processes started by spawn or forkserver (Python 3.14's default on Linux) need multiprocessing's resource
-        # tracker, which unblocks SIGTERM in the thread that starts it. Started now, before the block, it starts
-        # again only if it dies (it ignores SIGTERM, not SIGUSR1): then SIGTERM reaches that thread, and the
-        # handler above still takes it.
+        # tracker, which unblocks SIGTERM in the thread that starts it: started before SIGTERM's block. It ignores
+        # SIGTERM itself, and keeps the block of SIGUSR1 that it inherits: no stop signal ends it.
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGUSR1})
         resource_tracker.ensure_running()
         signal.pthread_sigmask(signal.SIG_BLOCK, self.STOP_SIGNALS)
         if first:

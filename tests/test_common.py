@@ -443,12 +443,13 @@ def test_a_checkpoint_restores_on_fewer_visible_gpus(monkeypatch):
 
 
 @pytest.mark.parametrize(("resume", "restarted", "seen_by", "expected"), [
-    (False, True, (0, 1), "resumes"),
-    (False, True, (0,), "rank(s) 1 cannot see"),  # no file system shared with rank 0
-    (False, True, (1,), "rank(s) 0 cannot see"),  # rank 0 on a machine without it: not a silent start over
-    (False, True, (), "starts over"),  # restarted before the first checkpoint
-    (True, False, (1,), "rank(s) 0 cannot see"),  # --resume, and rank 0 alone cannot see it
-    (False, False, (0, 1), "starts over"),  # neither --resume nor a restart: a first run in a used folder
+    (False, (0, 1), (0, 1), "resumes"),
+    (False, (1,), (0, 1), "resumes"),  # rank 0's torchrun restarted running workers without counting
+    (False, (0, 1), (0,), "rank(s) 1 cannot see"),  # no file system shared with rank 0
+    (False, (0, 1), (1,), "rank(s) 0 cannot see"),  # rank 0 on a machine without it: not a silent start over
+    (False, (0, 1), (), "starts over"),  # restarted before the first checkpoint
+    (True, (), (1,), "rank(s) 0 cannot see"),  # --resume, and rank 0 alone cannot see it
+    (False, (), (0, 1), "starts over"),  # neither --resume nor a restart: a first run in a used folder
 ])
 def test_every_rank_takes_the_same_decision_to_resume(resume, restarted, seen_by, expected, tmp_path, monkeypatch):
     """Every rank passes the same path; each resolves it in a folder of its own, as on machines without a
@@ -456,9 +457,10 @@ def test_every_rank_takes_the_same_decision_to_resume(resume, restarted, seen_by
     for rank in seen_by:
         (tmp_path / str(rank)).mkdir()
         (tmp_path / str(rank) / "checkpoint.pt").write_bytes(b"")
-    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1" if restarted else "0")
+    monkeypatch.delenv("SLURM_RESTART_COUNT", raising=False)
 
     def decide(rank):
+        os.environ["TORCHELASTIC_RESTART_COUNT"] = "1" if rank in restarted else "0"
         os.chdir(tmp_path / str(rank) if rank in seen_by else tmp_path)
         try:
             return "resumes" if distributed.should_resume(resume, "checkpoint.pt") else "starts over"
@@ -666,6 +668,33 @@ def test_a_stop_signal_pending_when_preemption_starts_is_received(tmp_path):
     blocked_exec = ("import os, signal, sys; signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGUSR1]); "
                     "os.execv(sys.executable, [sys.executable] + sys.argv[1:])")
     result = run_job(python("-c", blocked_exec, script), env={"PYTHONPATH": str(ROOT)}, timeout=60)
+    assert result.returncode == 0 and result.stdout == "True\n" and not result.stderr, result.stderr[-3000:]
+
+
+# The stop signals sent to the resource tracker that `Preemption` starts, as torchrun (to the worker's process
+# group) and Slurm (to the job step) send them: it ignores SIGTERM, and keeps SIGUSR1 blocked.
+STOP_SIGNALS_TO_THE_RESOURCE_TRACKER = """
+import os, signal, time
+from multiprocessing import resource_tracker
+
+from common import distributed
+
+distributed.Preemption()
+tracker = resource_tracker._resource_tracker._pid
+for number in (signal.SIGUSR1, signal.SIGTERM):
+    os.kill(tracker, number)
+time.sleep(1)
+print(os.waitpid(tracker, os.WNOHANG) == (0, 0), flush=True)
+os._exit(0)
+"""
+
+
+def test_the_resource_tracker_outlives_the_stop_signals(tmp_path):
+    """Dead, the tracker would be started again by the next loader, with a warning, and would unblock SIGTERM in
+    the thread that starts it."""
+    script = tmp_path / "tracker.py"
+    script.write_text(STOP_SIGNALS_TO_THE_RESOURCE_TRACKER)
+    result = run_job(python(script), env={"PYTHONPATH": str(ROOT)}, timeout=60)
     assert result.returncode == 0 and result.stdout == "True\n" and not result.stderr, result.stderr[-3000:]
 
 
