@@ -142,7 +142,7 @@ def setup(args):
 def build_data(context, config):  # [05]
     """The training set, its sampler, and the training and test loaders."""
     args, device = context.args, context.device
-    # Each process is a replica of the model (08 and 09 make a group of ranks one replica).
+    # Each process is a replica of the model (08-10 make a group of ranks one replica).
     replica, replicas = context.replica, context.replicas  # [04]
     batch_size = config["train_micro_batch_size_per_gpu"]  # [05] one forward and backward pass
     train_set, test_set = data.load_cifar10(args.data_dir, args.synthetic, seed=args.seed)
