@@ -506,6 +506,14 @@ def test_the_default_learning_rate_follows_the_global_batch(argv, lr):
     assert parser.parse_args(argv).lr == pytest.approx(lr)
 
 
+def run_script(tmp_path, source, *args, launcher=(), env=None, timeout=60, **options):
+    """`python [LAUNCHER] SCRIPT ARGS` for the Python `source`, written to a file, with the repository importable."""
+    script = tmp_path / "script.py"
+    script.write_text(source)
+    return run_job(python(*launcher, script, *args), env={"PYTHONPATH": str(ROOT), **(env or {})}, timeout=timeout,
+                   **options)
+
+
 # Started after `Preemption`, a loader's worker process reports its blocked signals from /proc (SigBlk); a sample
 # that raises ends the run through utils.run, which must not wait for the workers (they ignore SIGTERM), and the
 # workers end with it (the test waits for every process that holds its output).
@@ -547,12 +555,9 @@ def test_forked_or_spawned_loader_workers_never_act_on_the_stop_signals(start_me
     """SIGTERM and SIGUSR1 are blocked in the loader's workers from their start, whether they are forked (Linux's
     default up to Python 3.13), started by a forkserver (the steps', and 3.14's default) or spawned. A run whose
     data set fails ends with the error, exit status 1, and does not wait for its workers, which end with it."""
-    script = tmp_path / "loader_worker_signals.py"
-    script.write_text(LOADER_WORKER_SIGNALS)
-    env = {"PYTHONPATH": str(ROOT)}
-    result = run_job(python(script, start_method, "ok"), env=env, timeout=120)
+    result = run_script(tmp_path, LOADER_WORKER_SIGNALS, start_method, "ok", timeout=120)
     assert result.returncode == 0 and result.stdout.split("\n")[:2] == ["[[1, 1], [1, 1]]"] * 2, result.stderr
-    failed = run_job(python(script, start_method, "fail"), env=env, timeout=60)
+    failed = run_script(tmp_path, LOADER_WORKER_SIGNALS, start_method, "fail")
     assert failed.returncode == 1 and "ValueError: a broken sample" in failed.stderr, failed.stderr[-3000:]
 
 
@@ -597,9 +602,7 @@ if __name__ == "__main__":
 
 def test_loader_workers_never_inherit_a_lock_that_another_thread_holds(tmp_path):
     """BatchLoader's workers are not forks of the trainer, whose other threads may hold a lock at that instant."""
-    script = tmp_path / "lock_held_by_another_thread.py"
-    script.write_text(LOCK_HELD_BY_ANOTHER_THREAD)
-    result = run_job(python(script), env={"PYTHONPATH": str(ROOT)}, timeout=60)
+    result = run_script(tmp_path, LOCK_HELD_BY_ANOTHER_THREAD)
     assert result.returncode == 0 and result.stdout == "1000\n", result.stderr[-3000:]
 
 
@@ -624,8 +627,6 @@ def test_bad_input_on_another_rank_waits_for_the_first_or_a_stop_signal(signalle
     """DeepSpeed's launcher and `srun --kill-on-bad-exit` stop every process once one has failed: the ranks that
     do not print the `error:` line wait (10 s) so that the first has printed it when they are stopped, and end
     with its status at once on the launcher's SIGTERM, which Preemption keeps from ending them."""
-    script = tmp_path / "bad_input.py"
-    script.write_text(BAD_INPUT_ON_LOCAL_RANK_1)
     signalled_at = []
 
     def sigterm_once_handled(process):
@@ -634,8 +635,8 @@ def test_bad_input_on_another_rank_waits_for_the_first_or_a_stop_signal(signalle
             signalled_at.append(time.monotonic())
 
     started = time.monotonic()
-    result = run_job(python(script), env={"PYTHONPATH": str(ROOT), "LOCAL_RANK": "1", "RANK": "1", "WORLD_SIZE": "2"},
-                     poll=sigterm_once_handled, timeout=60)
+    result = run_script(tmp_path, BAD_INPUT_ON_LOCAL_RANK_1, env={"LOCAL_RANK": "1", "RANK": "1", "WORLD_SIZE": "2"},
+                        poll=sigterm_once_handled)
     waited = time.monotonic() - (signalled_at[0] if signalled else started)
     assert result.returncode == 2 and "error:" not in result.stdout + result.stderr, result.stderr[-3000:]
     assert signalled_at or not signalled, "the run ended before it handled SIGTERM"
@@ -663,11 +664,9 @@ os._exit(0)
 def test_a_stop_signal_pending_when_preemption_starts_is_received(tmp_path):
     """A launcher can start a process with the stop signals blocked in every thread (exec keeps the mask): one
     sent before `Preemption()` stays pending, and its waiting thread receives it."""
-    script = tmp_path / "pending.py"
-    script.write_text(SIGNAL_PENDING_AT_THE_START)
     blocked_exec = ("import os, signal, sys; signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGUSR1]); "
                     "os.execv(sys.executable, [sys.executable] + sys.argv[1:])")
-    result = run_job(python("-c", blocked_exec, script), env={"PYTHONPATH": str(ROOT)}, timeout=60)
+    result = run_script(tmp_path, SIGNAL_PENDING_AT_THE_START, launcher=("-c", blocked_exec))
     assert result.returncode == 0 and result.stdout == "True\n" and not result.stderr, result.stderr[-3000:]
 
 
@@ -692,9 +691,7 @@ os._exit(0)
 def test_the_resource_tracker_outlives_the_stop_signals(tmp_path):
     """Dead, the tracker would be started again by the next loader, with a warning, and would unblock SIGTERM in
     the thread that starts it."""
-    script = tmp_path / "tracker.py"
-    script.write_text(STOP_SIGNALS_TO_THE_RESOURCE_TRACKER)
-    result = run_job(python(script), env={"PYTHONPATH": str(ROOT)}, timeout=60)
+    result = run_script(tmp_path, STOP_SIGNALS_TO_THE_RESOURCE_TRACKER)
     assert result.returncode == 0 and result.stdout == "True\n" and not result.stderr, result.stderr[-3000:]
 
 

@@ -52,7 +52,7 @@ def finished(tmp_path_factory):
     return run
 
 
-# The quick tier launches the DDP template; the full tier the other three (about 40 s each on a 2-core CPU, most
+# The quick tier launches the DDP template; the full tier the other three (about 40 s each on a 2-core CPU, half
 # of it their spawned loader workers importing torch).
 @pytest.mark.parametrize("nproc", [2])  # 2 processes: 501 and 500 test samples, unequal slices
 @pytest.mark.parametrize("name", [pytest.param(name, marks=[pytest.mark.full] if name != "ddp" else [])
