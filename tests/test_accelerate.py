@@ -32,6 +32,7 @@ def test_plain_python_is_a_world_of_one(tmp_path):
     check_smoke_run(tmp_path, SCRIPT, world_size=1, amp="bf16", model_class=models.MnistCNN)
 
 
+@pytest.mark.full  # the quick tier resumes torch.save, DeepSpeed's and DCP's formats
 def test_resume_mid_epoch_matches_uninterrupted_run(tmp_path):
     """Dropout draws from each process's own random state: load_state must restore it on every process. Started
     again, the finished run stands."""
