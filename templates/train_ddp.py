@@ -7,8 +7,8 @@ gradients. PyTorch only; step 04 (04_cifar10_ddp.py) explains each idea, docs/te
     torchrun --nproc_per_node=N templates/train_ddp.py --epochs 20      # N GPUs
     python templates/train_ddp.py                                       # one process
 Checkpoints go to runs/<this file's name>/checkpoints at each epoch's end; the same command run again continues
-from the newest. SIGTERM (preemption) stops every rank at one
-step, saved there: exit status 75. So does SIGUSR1 (a time limit near), which torchrun passes on only if told:
+from the newest. SIGTERM (preemption) stops every rank at one step, saved there: exit status 75.
+So does SIGUSR1 (a time limit near), which torchrun passes on only if told:
     torchrun --signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1 --shutdown-timeout=90 ...   # 90 s to save
 """
 
@@ -222,25 +222,28 @@ def to_device(batch, device):  # every tensor of a batch, in tuples, lists and d
 
 
 def latest_checkpoint(checkpoints, run, total_steps, rank):
-    """The checkpoint to continue from, or None, as rank 0 sees it: sent to every rank (one that cannot see the
-    files would start over alone, and the collectives mis-pair). Another run's stops every rank, one line."""
-    latest = [json.loads((checkpoints / "latest.json").read_text())
-              if rank == 0 and (checkpoints / "latest.json").is_file() else None]
-    if latest[0]:  # finished: trained to the end, and its outputs written
-        latest[0]["finished"] = latest[0]["step"] == total_steps and (checkpoints.parent / "metrics.json").is_file()
-    dist.broadcast_object_list(latest, src=0)
-    if latest[0] is None:
+    """The checkpoint to continue from, or None, as every rank sees it (one that started over alone would mis-pair
+    the collectives): ranks that see different files, or another run's checkpoint, stop every rank, one line."""
+    pointer = checkpoints / "latest.json"
+    latest = json.loads(pointer.read_text()) if pointer.is_file() else None
+    if latest:  # finished: trained to the end, and its outputs written
+        latest["finished"] = latest["step"] == total_steps and (checkpoints.parent / "metrics.json").is_file()
+    views = [None] * dist.get_world_size()
+    dist.all_gather_object(views, latest)
+    if differ := [str(other) for other, view in enumerate(views) if view != views[0]]:
+        sys.exit(f"error: rank(s) {', '.join(differ)} see other files than rank 0 in {checkpoints}: put --output-dir "
+                 "on a file system that every machine shares" if rank == 0 else 2)
+    if latest is None:  # and on every rank: they all see the same
         return None
-    path, written = checkpoints / latest[0]["name"], latest[0]["run"]
+    path, written = checkpoints / latest["name"], latest["run"]
     for setting, value in run.items():
         if written.get(setting) != value:
             what = "another model" if setting == "parameters" else f"{setting} {written.get(setting)}, this run {value}"
             sys.exit(f"error: {path} was written with {what}: use the same or another --output-dir" if rank == 0 else 2)
     if rank == 0:
-        print(f"nothing to train: {path} holds epoch {latest[0]['epoch']} of {run['--epochs']}"
-              if latest[0]["finished"]
-              else f"resumed from {path}: epoch {latest[0]['epoch']}, step {latest[0]['step']}", flush=True)
-    return latest[0]
+        print(f"nothing to train: {path} holds epoch {latest['epoch']} of {run['--epochs']}" if latest["finished"]
+              else f"resumed from {path}: epoch {latest['epoch']}, step {latest['step']}", flush=True)
+    return latest
 
 
 def saved(checkpoints, latest, keep):  # rank 0, once it is complete: a crash mid-save leaves latest.json naming the old

@@ -8,8 +8,8 @@ explains each idea, docs/templates.md what to change.
     torchrun --nproc_per_node=N templates/train_fsdp.py --epochs 20      # N GPUs
     python templates/train_fsdp.py                                       # one process
 Checkpoints go to runs/<this file's name>/checkpoints at each epoch's end; the same command run again continues
-from the newest. SIGTERM (preemption) stops every rank at one
-step, saved there: exit status 75. So does SIGUSR1 (a time limit near), which torchrun passes on only if told:
+from the newest. SIGTERM (preemption) stops every rank at one step, saved there: exit status 75.
+So does SIGUSR1 (a time limit near), which torchrun passes on only if told:
     torchrun --signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1 --shutdown-timeout=90 ...   # 90 s to save
 """
 
@@ -42,7 +42,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 from torch.distributed.fsdp import fully_shard
-from torch.utils.data import DataLoader, DistributedSampler, Subset, TensorDataset
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)  # preemption, a scheduler's time limit near
 # How srun and the MPIs number the processes they start (size, rank): not as torchrun does.
@@ -134,9 +134,8 @@ def main():
                               multiprocessing_context="spawn" if args.num_workers else None,
                               persistent_workers=args.num_workers > 0)
     # Test: a disjoint slice per rank (DistributedSampler pads), in as many batches on each: forwards gather weights.
-    test_slice = range(rank, len(test_set), world_size)
-    batches = torch.arange(len(test_slice)).tensor_split(math.ceil(math.ceil(len(test_set) / world_size) / 256))
-    test_loader = DataLoader(Subset(test_set, test_slice), batch_sampler=[batch.tolist() for batch in batches])
+    batches = torch.arange(rank, len(test_set), world_size).tensor_split(math.ceil(len(test_set) / world_size / 256))
+    test_loader = DataLoader(test_set, batch_sampler=[batch.tolist() for batch in batches])
 
     with torch.device("meta"):  # shapes, no memory: each rank will allocate only its shards (a model of any size)
         model = build_model()
@@ -194,7 +193,7 @@ def main():
         dist.all_reduce(loss_sum)  # every rank calls it: a collective that one rank skips hangs the others
         if not loss_sum.isfinite().all():  # the same sum on every rank: all stop, before saving NaN weights
             sys.exit(f"error: the loss diverged in epoch {epoch + 1}: lower --lr" if rank == 0 else 2)
-        for buffer in model.buffers():  # not sharded, so written once from any rank: make them rank 0's everywhere
+        for buffer in model.buffers():  # not sharded, each rank's own: rank 0's everywhere, to save and evaluate
             dist.broadcast(buffer, src=0)
         # Every rank writes its own shards, in parallel (a collective: never inside `if rank == 0`).
         model_state, optimizer_state = get_state_dict(model, optimizer)
@@ -226,9 +225,7 @@ def main():
 
 
 @torch.no_grad()
-def evaluate(model, loader, device):  # over the whole test set: each rank's slice, summed
-    for buffer in model.buffers():  # rank 0's BatchNorm statistics: each rank's followed its own batches
-        dist.broadcast(buffer, src=0)
+def evaluate(model, loader, device):  # over the whole test set: each rank's slice, summed (buffers: rank 0's)
     model.eval()
     totals = torch.zeros(3, dtype=torch.float64, device=device)  # loss sum, correct, samples
     for batch in loader:
@@ -250,25 +247,28 @@ def to_device(batch, device):  # every tensor of a batch, in tuples, lists and d
 
 
 def latest_checkpoint(checkpoints, run, total_steps, rank):
-    """The checkpoint to continue from, or None, as rank 0 sees it: sent to every rank (one that cannot see the
-    files would start over alone, and the collectives mis-pair). Another run's stops every rank, one line."""
-    latest = [json.loads((checkpoints / "latest.json").read_text())
-              if rank == 0 and (checkpoints / "latest.json").is_file() else None]
-    if latest[0]:  # finished: trained to the end, and its outputs written
-        latest[0]["finished"] = latest[0]["step"] == total_steps and (checkpoints.parent / "metrics.json").is_file()
-    dist.broadcast_object_list(latest, src=0)
-    if latest[0] is None:
+    """The checkpoint to continue from, or None, as every rank sees it (one that started over alone would mis-pair
+    the collectives): ranks that see different files, or another run's checkpoint, stop every rank, one line."""
+    pointer = checkpoints / "latest.json"
+    latest = json.loads(pointer.read_text()) if pointer.is_file() else None
+    if latest:  # finished: trained to the end, and its outputs written
+        latest["finished"] = latest["step"] == total_steps and (checkpoints.parent / "metrics.json").is_file()
+    views = [None] * dist.get_world_size()
+    dist.all_gather_object(views, latest)
+    if differ := [str(other) for other, view in enumerate(views) if view != views[0]]:
+        sys.exit(f"error: rank(s) {', '.join(differ)} see other files than rank 0 in {checkpoints}: put --output-dir "
+                 "on a file system that every machine shares" if rank == 0 else 2)
+    if latest is None:  # and on every rank: they all see the same
         return None
-    path, written = checkpoints / latest[0]["name"], latest[0]["run"]
+    path, written = checkpoints / latest["name"], latest["run"]
     for setting, value in run.items():
         if written.get(setting) != value:
             what = "another model" if setting == "parameters" else f"{setting} {written.get(setting)}, this run {value}"
             sys.exit(f"error: {path} was written with {what}: use the same or another --output-dir" if rank == 0 else 2)
     if rank == 0:
-        print(f"nothing to train: {path} holds epoch {latest[0]['epoch']} of {run['--epochs']}"
-              if latest[0]["finished"]
-              else f"resumed from {path}: epoch {latest[0]['epoch']}, step {latest[0]['step']}", flush=True)
-    return latest[0]
+        print(f"nothing to train: {path} holds epoch {latest['epoch']} of {run['--epochs']}" if latest["finished"]
+              else f"resumed from {path}: epoch {latest['epoch']}, step {latest['step']}", flush=True)
+    return latest
 
 
 def saved(checkpoints, latest, keep):  # rank 0, once it is complete: a crash mid-save leaves latest.json naming the old

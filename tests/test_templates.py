@@ -6,15 +6,20 @@ weights; a finished run says so and leaves its outputs alone; a checkpoint of ot
 line. Each stays self-contained and makes only the distributed calls that its step of the tour teaches."""
 
 import ast
+import datetime
+import importlib.util
+import json
 import math
 import os
 import re
 import signal
+from pathlib import Path
 
+import accelerate
 import pytest
 import torch
 from jobs import catches, loader_workers, run_job, workers
-from launch import BIN, ROOT, deepspeed, free_port, python, torchrun
+from launch import BIN, ROOT, deepspeed, free_port, in_local_processes, python, torchrun
 from outputs import (
     assert_same_weights,
     check_no_shared_memory_left,
@@ -324,6 +329,50 @@ def test_a_diverged_run_stops_with_one_error_before_it_saves(name, tmp_path):
     assert not (tmp_path / "model.pt").exists()
 
 
+def template_module(name):
+    """templates/train_NAME.py as a module, imported as a user's code imports it (its `main` not run)."""
+    spec = importlib.util.spec_from_file_location(f"template_{name}", ROOT / "templates" / f"train_{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+BLIND = "error: rank(s) 1 see other files than rank 0 in checkpoints: put --output-dir on a file system that every " \
+        "machine shares"
+
+
+@pytest.mark.parametrize("name", STEPS)
+@pytest.mark.parametrize("seen_by, expected", [
+    ((0, 1), {0: 3, 1: 3}),  # both continue from step 3
+    ((), {0: None, 1: None}),  # both start over: a first run
+    ((0,), {0: BLIND, 1: 2}),
+    ((1,), {0: BLIND, 1: 2}),  # rank 0 on a machine without them: not a silent start over
+])
+def test_every_rank_takes_the_same_decision_to_resume(name, seen_by, expected, tmp_path):
+    """Each rank looks for the checkpoints in a folder of its own, as on machines without a shared file system:
+    every rank continues from the same checkpoint, or every rank starts over, or every rank stops and rank 0
+    alone says why."""
+    template, run = template_module(name), {"--epochs": 2}
+    for rank in (0, 1):
+        (tmp_path / str(rank) / "checkpoints").mkdir(parents=True)
+    for rank in seen_by:
+        pointer = {"name": "step3", "epoch": 1, "step": 3, "run": run}
+        (tmp_path / str(rank) / "checkpoints" / "latest.json").write_text(json.dumps(pointer))
+
+    def decide(rank):
+        os.chdir(tmp_path / str(rank))
+        if name == "accelerate":  # as the template's Accelerator does: its state takes the process group as it is
+            os.environ["LOCAL_RANK"] = str(rank)
+            accelerate.PartialState(cpu=True)
+        try:
+            latest = template.latest_checkpoint(Path("checkpoints"), run, 6, rank)
+        except SystemExit as stop:
+            return stop.code
+        return latest and latest["step"]
+
+    assert in_local_processes(decide, 2, datetime.timedelta(seconds=60)) == expected
+
+
 # --- Each template's distributed calls, against its step's ---------------------------------------------------
 
 # A call is distributed if its callee comes from one of these modules, or is one of these names.
@@ -355,15 +404,17 @@ CORE = {
 
 # The few distributed calls a template makes that its step does not: each stands for a helper of
 # common/distributed.py that the step calls and that a self-contained file cannot import: broadcast_buffers (rank
-# 0's BatchNorm statistics), Preemption (the stop flag's group; Accelerate's own trigger) and should_resume (rank
-# 0 decides; Accelerate's own broadcast).
+# 0's BatchNorm statistics), Preemption (the stop flag's group; Accelerate's own trigger) and should_resume (what
+# every rank sees, gathered; Accelerate's own gather).
 ALLOWED = {
-    "ddp": {"torch.distributed.broadcast", "torch.distributed.new_group", "torch.distributed.broadcast_object_list"},
-    "fsdp": {"torch.distributed.broadcast", "torch.distributed.new_group", "torch.distributed.broadcast_object_list"},
-    "deepspeed": {"torch.distributed.broadcast", "torch.distributed.new_group",
-                  "torch.distributed.broadcast_object_list"},
+    "ddp": {"torch.distributed.broadcast", "torch.distributed.new_group", "torch.distributed.all_gather_object",
+            "torch.distributed.get_world_size"},
+    "fsdp": {"torch.distributed.broadcast", "torch.distributed.new_group", "torch.distributed.all_gather_object",
+             "torch.distributed.get_world_size"},
+    "deepspeed": {"torch.distributed.broadcast", "torch.distributed.new_group", "torch.distributed.all_gather_object",
+                  "torch.distributed.get_world_size"},
     "accelerate": {"accelerate.Accelerator().set_trigger", "accelerate.Accelerator().check_trigger",
-                   "accelerate.utils.broadcast_object_list",
+                   "accelerate.utils.gather_object",
                    "accelerate.utils.get_int_from_env"},  # the launcher's rank and world size, as Accelerate reads them
 }
 
@@ -432,7 +483,7 @@ def test_template_makes_its_steps_distributed_calls_and_no_other(name):
 
 
 # One call per template that its step does not make, appended to the template: the check must see it.
-UNTAUGHT = {"ddp": "model.no_sync()", "fsdp": "dist.all_gather_object([None], 0)", "deepspeed": "model.get_lr()",
+UNTAUGHT = {"ddp": "model.no_sync()", "fsdp": "dist.all_to_all_single(loss, loss)", "deepspeed": "model.get_lr()",
             "accelerate": "accelerator.gather(loss)"}
 
 
@@ -452,5 +503,5 @@ def test_template_is_self_contained_and_short(name):
     assert not {module for module in modules if module.split(".")[0] == "common"}
     assert "# YOUR MODEL" in source and "# YOUR DATA" in source
     # Short enough to read at once: what a copy needs on a cluster (preemption with loader workers, checkpoints that
-    # know their run and are pruned, any launch, any batch, a crash that ends) took each from 137-164 lines to 247-289.
+    # know their run and are pruned, any launch, any batch, a crash that ends) took each from 137-164 lines to 252-290.
     assert 80 <= len(source.splitlines()) <= 290
