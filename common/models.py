@@ -187,7 +187,9 @@ class MixtureOfExperts(nn.Module):
         # Counted by adding ones: bincount would make the CPU wait for a GPU (it sizes its output by the largest).
         counts = torch.zeros(len(self.router.weight), dtype=torch.long, device=x.device).index_add(
             0, experts, torch.ones_like(experts))
-        outputs = self.experts(tokens[order // self.top_k], counts)
+        # index_select, not tokens[...]: its backward adds each token's top_k gradients in a fixed order (an
+        # index's backward adds them with atomics on a CPU, not repeatable bit for bit at top_k > 2).
+        outputs = self.experts(tokens.index_select(0, order // self.top_k), counts)
         combined = torch.zeros_like(tokens).index_add(0, order // self.top_k, outputs * weights.flatten()[order, None])
         self.tokens_per_expert, self.mean_probabilities = counts, probabilities.mean(dim=0)
         return combined.view_as(x)

@@ -93,6 +93,9 @@ MUTANTS = [
     Mutant("template_test_totals", "templates/train_ddp.py: the ranks' test totals are summed",
            "templates/train_ddp.py", "    dist.all_reduce(totals)", "    pass",
            ("tests/test_templates.py::test_template_learns_and_counts_every_test_sample_once[ddp-2]",), MISCOUNTED),
+    Mutant("template_resume_views", "templates/train_ddp.py: the ranks decide to resume from what every rank sees",
+           "templates/train_ddp.py", "    dist.all_gather_object(views, latest)", "    views = [latest] * len(views)",
+           ("tests/test_templates.py::test_every_rank_takes_the_same_decision_to_resume",), "see other files than"),
 ]
 
 

@@ -276,6 +276,23 @@ def test_the_mixture_of_experts_weighs_each_tokens_top_k_experts():
     assert abs(layer.balance_loss().item() - 4 / 2) < 1e-12
 
 
+def test_the_mixture_of_experts_repeats_its_gradients_bit_for_bit_on_several_threads():
+    """Each token goes to top_k experts, so its gradient is the sum of top_k parts. On several threads, an
+    index's backward (`tokens[order]`) adds them with atomics, in an order that changes from run to run; the
+    layer's must not (a resume would not be exact). With `tokens[order]`, 4 threads and top_k 8 gave another
+    gradient within 12 repeats in 10 runs of 10 on the 2-core development CPU."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(4)  # the tests run on one thread (conftest.py): the atomics need several
+    try:
+        torch.manual_seed(0)
+        layer = models.MixtureOfExperts(width=128, hidden=64, experts=8, top_k=8)
+        x = torch.randn(32, 64, 128, requires_grad=True)
+        gradients = [torch.autograd.grad(layer(x).square().sum(), x)[0] for _ in range(12)]
+    finally:
+        torch.set_num_threads(threads)
+    assert all(torch.equal(gradients[0], gradient) for gradient in gradients[1:])
+
+
 def test_the_experts_take_the_tokens_of_several_ranks_in_one_table():
     """Under expert parallelism (step 11) an expert's tokens arrive from several ranks: `counts` is a table (rank,
     expert) of the tokens sorted by rank, then by expert. Each token goes through its expert's MLP as alone."""

@@ -113,8 +113,10 @@ def cases(tmp, port):
         "more replicas than test samples in 05, 07 or 09–11 (a replica: a process; in 09 and 10, a group)":
             (torchrun(3, "05_cifar10_deepspeed.py", *SHORT_RUN_ARGS, "--data-dir", tiny_cifar10(tmp / "tiny", 48, 2),
                       *out), {}, {}),
-        "`--resume` with no checkpoint":
+        "`--resume` with no checkpoint (01–04, 06)":
             (python("01_cifar10_cpu.py", *SYNTHETIC_ARGS, "--resume", *out), {}, {str(tmp / "out"): "DIR"}),
+        "`--resume` with no checkpoint (05, 07–11: a folder of checkpoints)":
+            (python("07_cifar10_fsdp.py", *SYNTHETIC_ARGS, "--resume", *out), {}, {str(tmp / "out"): "DIR"}),
         "`--resume` with other settings than the checkpoint's":
             (python("01_cifar10_cpu.py", *SYNTHETIC_ARGS, "--batch-size", 48, "--resume",
                     "--output-dir", other_settings), {}, {str(other_settings): "DIR"}),
