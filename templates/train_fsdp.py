@@ -225,7 +225,7 @@ def main():
 
 
 @torch.no_grad()
-def evaluate(model, loader, device):  # over the whole test set: each rank's slice, summed (buffers: rank 0's)
+def evaluate(model, loader, device):  # each rank's test slice, summed: call it after main's broadcast of the buffers
     model.eval()
     totals = torch.zeros(3, dtype=torch.float64, device=device)  # loss sum, correct, samples
     for batch in loader:

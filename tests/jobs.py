@@ -126,15 +126,16 @@ def loader_workers(pid):
     return found
 
 
-def catches(pid, number):
+def catches(pid, number, mask="SigCgt"):
     """Whether process `pid` has a handler of its own for signal `number` (/proc's SigCgt mask): a signal sent
-    before that ends it by the signal's default action instead."""
+    before that ends it by the signal's default action instead. `mask="SigBlk"`: whether its main thread blocks
+    the signal instead."""
     try:
         status = Path(f"/proc/{pid}/status").read_text()
     except OSError:  # it has just exited
         return False
-    mask = int(status.split("SigCgt:")[1].split()[0], 16)
-    return bool(mask >> (number - 1) & 1)
+    bits = int(status.split(f"{mask}:")[1].split()[0], 16)
+    return bool(bits >> (number - 1) & 1)
 
 
 def processes_per_machine(command):

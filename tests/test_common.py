@@ -282,7 +282,7 @@ def test_the_mixture_of_experts_repeats_its_gradients_bit_for_bit_on_several_thr
     layer's must not (a resume would not be exact). With `tokens[order]`, 4 threads and top_k 8 gave another
     gradient within 12 repeats in 10 runs of 10 on the 2-core development CPU."""
     threads = torch.get_num_threads()
-    torch.set_num_threads(4)  # the tests run on one thread (conftest.py): the atomics need several
+    torch.set_num_threads(4)  # under two pytest workers the tests run on one (conftest.py): atomics need several
     try:
         torch.manual_seed(0)
         layer = models.MixtureOfExperts(width=128, hidden=64, experts=8, top_k=8)

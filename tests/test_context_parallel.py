@@ -11,7 +11,7 @@ from resume import check_exact_resume, check_only_the_last_checkpoint_kept
 
 from common import models
 
-pytestmark = pytest.mark.full  # the full tier: the quick tier holds 10 by its parity row and the README's command
+pytestmark = pytest.mark.full  # the full tier: the quick tier holds 10 by its parity row and a bad-input row
 
 SCRIPT = "10_cifar10_context_parallel.py"
 RUN_ARGS = [*SYNTHETIC_ARGS, *VIT_LR]

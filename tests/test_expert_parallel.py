@@ -14,7 +14,7 @@ from resume import check_exact_resume, check_only_the_last_checkpoint_kept
 
 from common import models
 
-pytestmark = pytest.mark.full  # the full tier: the quick tier holds 11 by its parity row and the README's command
+pytestmark = pytest.mark.full  # the full tier: the quick tier holds 11 by its parity row and bad-input rows
 
 SCRIPT = "11_cifar10_expert_parallel.py"
 RUN_ARGS = [*SYNTHETIC_ARGS, *VIT_LR]

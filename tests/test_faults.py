@@ -95,11 +95,13 @@ def test_a_signal_to_one_workers_process_group_stops_every_rank_at_one_step_and_
     step's agreement; both save a checkpoint at that step and exit 75. `--resume` ends with the uninterrupted
     run's weights, bit for bit."""
     script = "04_cifar10_ddp.py"
-    signalled = []
+    signalled, blocked = [], []
 
     def sigterm_once_loading(process):
         rank1 = workers(process).get(1)
         if not signalled and rank1 and catches(rank1, signal.SIGTERM) and len(loader_workers(rank1)) >= 2:
+            # Whether a worker that dies of it fails the run depends on the batches it had loaded: look at the block.
+            blocked.extend(catches(worker, signal.SIGTERM, mask="SigBlk") for worker in loader_workers(rank1))
             os.killpg(rank1, signal.SIGTERM)  # torchrun starts each worker in a process group of its own
             signalled.append(rank1)
 
@@ -107,6 +109,7 @@ def test_a_signal_to_one_workers_process_group_stops_every_rank_at_one_step_and_
     result = run_job(torchrun(2, script, *fault_run_args, "--output-dir", tmp_path), poll=sigterm_once_loading,
                      timeout=180)
     assert signalled, "the run ended before rank 1's loader workers were seen"
+    assert blocked and all(blocked), f"a loader worker of rank 1 does not block SIGTERM, so dies of it: {blocked}"
     assert result.returncode == 1 and len(re.findall(r"exitcode\s*: 75 ", result.stderr)) == 2, result.stderr[-5000:]
     assert "DataLoader worker" not in result.stderr, result.stderr[-5000:]
     # torchrun's failure table: the line each rank recorded. Rank 0 was not signalled: it learned from rank 1.

@@ -8,7 +8,7 @@ from launch import forked, python
 from outputs import check_ok, load_state, read_metrics, resumed_steps
 from resume import END_STEP, check_exact_resume
 
-pytestmark = pytest.mark.full  # the full tier: the quick tier resumes once per checkpoint format (docs/testing.md)
+pytestmark = pytest.mark.full  # the full tier: the quick tier resumes torch.save's, DeepSpeed's and DCP's formats
 
 LAUNCH = {
     "01": lambda *args: python("01_cifar10_cpu.py", *args, *SMALL_RESNET9),

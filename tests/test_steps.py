@@ -3,8 +3,9 @@
 Each step runs once as a reader copies it from the README's tour table (the column "on a CPU-only
 machine"), with every default (2 loader workers, the global batch of 256, the model's width), only shortened:
 `--synthetic --max-steps 1`: 04 and 06 in the quick tier, the others in the full tier (each launch is 20-40 s
-of Python starting, torch imported by the launcher, each rank and each loader worker; every step's parity row
-runs it in the quick tier). The full tier's runs (`-m full`) train 30 steps and check learning."""
+of Python starting: torch imported by the launcher, each rank and each loader worker; the quick tier runs 04-11
+through their parity rows, 01 as their reference, and 02 and 03 only in the full tier). The full tier's runs
+(`-m full`) train 30 steps and check learning."""
 
 import re
 import shlex

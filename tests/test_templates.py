@@ -373,6 +373,31 @@ def test_every_rank_takes_the_same_decision_to_resume(name, seen_by, expected, t
     assert in_local_processes(decide, 2, datetime.timedelta(seconds=60)) == expected
 
 
+# Run by torchrun: each rank moves into a folder of its own, then runs the template as `python` would (machines
+# that share no file system, on one machine).
+IN_A_FOLDER_PER_RANK = """import os, runpy, sys
+os.chdir(os.path.join(os.path.dirname(os.path.abspath(__file__)), os.environ["RANK"]))
+sys.argv = sys.argv[1:]
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
+@pytest.mark.full
+@pytest.mark.parametrize("name", STEPS)
+def test_ranks_that_see_other_checkpoints_stop_with_one_error(name, tmp_path):
+    """Only rank 0's folder holds a checkpoint: the template, launched by torchrun with its defaults, stops every
+    rank before it trains, with rank 0's one line."""
+    checkpoints = Path("runs", f"train_{name}", "checkpoints")  # the default --output-dir's, in each folder
+    (tmp_path / "0" / checkpoints).mkdir(parents=True)
+    (tmp_path / "1").mkdir()
+    pointer = {"name": "step3", "epoch": 1, "step": 3, "run": {}}
+    (tmp_path / "0" / checkpoints / "latest.json").write_text(json.dumps(pointer))
+    (tmp_path / "in_a_folder_per_rank.py").write_text(IN_A_FOLDER_PER_RANK)
+    command = torchrun(2, tmp_path / "in_a_folder_per_rank.py", ROOT / "templates" / f"train_{name}.py")
+    check_one_error(run_job(command, timeout=TIMEOUT), f"error: rank(s) 1 see other files than rank 0 in {checkpoints}")
+    assert sorted(path.name for path in (tmp_path / "0" / checkpoints).iterdir()) == ["latest.json"]
+
+
 # --- Each template's distributed calls, against its step's ---------------------------------------------------
 
 # A call is distributed if its callee comes from one of these modules, or is one of these names.
