@@ -80,9 +80,10 @@ def main():
     signalled = []  # a stop signal sets it; every step, the processes agree on it (below): none stops alone
     for number in STOP_SIGNALS:  # (a thread that an import started may be the one that receives it)
         signal.signal(number, lambda number, frame: signalled.append(number))
-    # torchrun and Slurm signal the data loader's worker processes too, which die of it mid-step. Blocked here,
-    # before any starts, the signals stay blocked in them; one thread waits for them instead. (Spawned workers
-    # need multiprocessing's resource tracker, which unblocks SIGTERM where it starts: start it first.)
+    # torchrun and Slurm signal the data loader's workers too, which die of it mid-step. Blocked here, before any
+    # starts, the signals stay blocked in them; one thread waits for them. Spawned workers need multiprocessing's
+    # resource tracker, which unblocks SIGTERM where it starts (so it starts first) and dies of an unblocked SIGUSR1.
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGUSR1})
     resource_tracker.ensure_running()
     signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
     threading.Thread(target=lambda: signalled.append(signal.sigwait(STOP_SIGNALS)), daemon=True).start()
