@@ -243,10 +243,12 @@ def test_a_users_copy_survives_preemption_reruns_and_other_settings(name, tmp_pa
     assert signalled
     check_signalled_torchrun(stopped, STOP_SIGNAL[name])
     # One line, from rank 0; no loader worker died of the signal (the trainer would have raised "killed by signal"),
-    # nor multiprocessing's resource tracker (it would warn "process died unexpectedly" when next used).
+    # nor multiprocessing's resource tracker (it would warn "process died unexpectedly" when next used; its warning
+    # of semaphores left at shutdown, from the loader workers of a run stopped mid-epoch, is not a death).
     assert re.findall(r"^preempted: .*$", stopped.stderr, re.M) == [
         "preempted: stopped in epoch 2, saved; run again to continue"], stopped.stderr[-3000:]
-    assert "killed by signal" not in stopped.stderr and "resource_tracker" not in stopped.stderr, stopped.stderr[-3000:]
+    assert "killed by signal" not in stopped.stderr, stopped.stderr[-3000:]
+    assert "process died unexpectedly" not in stopped.stderr, stopped.stderr[-3000:]
     assert not (output / "model.pt").exists()
     saved = re.search(r"step(\d+)", (output / "checkpoints" / "latest.json").read_text())
     assert USERS_STEPS // 2 < int(saved[1]) < USERS_STEPS  # in the middle of epoch 2
