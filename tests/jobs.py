@@ -1,6 +1,7 @@
 """Running a step as a user runs it, as a subprocess under a hard timeout, and the arguments of the
 tests' short runs."""
 
+import importlib.util
 import os
 import signal
 import subprocess
@@ -96,6 +97,14 @@ def _kill_tree(process):
         except subprocess.TimeoutExpired:
             continue
     return process.communicate()
+
+
+def import_script(path):
+    """The repository's script at `path` as a module, as a user's code imports it (its `__main__` block not run)."""
+    spec = importlib.util.spec_from_file_location(f"script_{Path(path).stem}", ROOT / path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def workers(process):

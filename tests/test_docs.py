@@ -10,7 +10,6 @@ own, verbatim, and the collectives' values in docs/collectives.md are what 4 pro
 
 import argparse
 import ast
-import importlib.util
 import json
 import os
 import re
@@ -21,7 +20,7 @@ import textwrap
 
 import pytest
 import torch
-from jobs import run_job
+from jobs import import_script, run_job
 from launch import ROOT, SCRIPTS, python
 from outputs import check_ok
 
@@ -111,9 +110,7 @@ def script_and_arguments(command):
 
 def parse_with_script(script, arguments, monkeypatch):
     """Parse `arguments` with the script's own parser: a step's `parse_args()`, a benchmark's `parse_args(argv)`."""
-    spec = importlib.util.spec_from_file_location(f"checked_{script.replace('/', '_')[:-3]}", ROOT / script)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = import_script(script)
     if script in ROOT_SCRIPTS:
         monkeypatch.setattr(sys, "argv", [script, *arguments])
         module.parse_args()

@@ -7,7 +7,6 @@ line. Each stays self-contained and makes only the distributed calls that its st
 
 import ast
 import datetime
-import importlib.util
 import json
 import math
 import os
@@ -18,7 +17,7 @@ from pathlib import Path
 import accelerate
 import pytest
 import torch
-from jobs import catches, loader_workers, run_job, workers
+from jobs import catches, import_script, loader_workers, run_job, workers
 from launch import BIN, ROOT, deepspeed, free_port, in_local_processes, python, torchrun
 from outputs import (
     assert_same_weights,
@@ -338,14 +337,6 @@ def test_a_diverged_run_stops_with_one_error_before_it_saves(name, tmp_path):
     assert not (tmp_path / "model.pt").exists()
 
 
-def template_module(name):
-    """templates/train_NAME.py as a module, imported as a user's code imports it (its `main` not run)."""
-    spec = importlib.util.spec_from_file_location(f"template_{name}", ROOT / "templates" / f"train_{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 BLIND = "error: rank(s) 1 see other files than rank 0 in checkpoints: put --output-dir on a file system that every " \
         "machine shares"
 
@@ -361,7 +352,7 @@ def test_every_rank_takes_the_same_decision_to_resume(name, seen_by, expected, t
     """Each rank looks for the checkpoints in a folder of its own, as on machines without a shared file system:
     every rank continues from the same checkpoint, or every rank starts over, or every rank stops and rank 0
     alone says why."""
-    template, run = template_module(name), {"--epochs": 2}
+    template, run = import_script(f"templates/train_{name}.py"), {"--epochs": 2}
     for rank in (0, 1):
         (tmp_path / str(rank) / "checkpoints").mkdir(parents=True)
     for rank in seen_by:
@@ -537,5 +528,5 @@ def test_template_is_self_contained_and_short(name):
     assert not {module for module in modules if module.split(".")[0] == "common"}
     assert "# YOUR MODEL" in source and "# YOUR DATA" in source
     # Short enough to read at once: what a copy needs on a cluster (preemption with loader workers, checkpoints that
-    # know their run and are pruned, any launch, any batch, a crash that ends) took each from 137-164 lines to 252-290.
+    # know their run and are pruned, any launch, any batch, a crash that ends) took each from 137-164 lines to 253-290.
     assert 80 <= len(source.splitlines()) <= 290
