@@ -45,7 +45,7 @@ def main():
     record = utils.RunRecord(__file__, context, len(train_loader))
     for epoch in range(state.epoch, args.epochs):  # from the checkpoint's epoch if resumed
         state.epoch = epoch
-        sampler.set_epoch(epoch)
+        sampler.set_epoch(epoch)  # a new order each epoch, or epoch 0's forever
         train_set.set_epoch(epoch)  # augmentation draws depend on (seed, epoch, sample) only
         record.start_training(state.step)
         train_loss = train_one_epoch(context, state, train_loader)
@@ -62,9 +62,9 @@ def main():
 def setup(args):
     """What the run is, read by every function below (common/utils.py's Context)."""
     utils.seed_everything(args.seed)
-    device = torch.device("cpu")
     if not args.synthetic:
         data.download_cifar10(args.data_dir)
+    device = torch.device("cpu")
     return utils.Context(args, device)
 
 

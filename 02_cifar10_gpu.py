@@ -48,7 +48,7 @@ def main():
     record = utils.RunRecord(__file__, context, len(train_loader))
     for epoch in range(state.epoch, args.epochs):  # from the checkpoint's epoch if resumed
         state.epoch = epoch
-        sampler.set_epoch(epoch)
+        sampler.set_epoch(epoch)  # a new order each epoch, or epoch 0's forever
         train_set.set_epoch(epoch)  # augmentation draws depend on (seed, epoch, sample) only
         record.start_training(state.step)
         train_loss = train_one_epoch(context, state, train_loader)
@@ -65,13 +65,13 @@ def main():
 def setup(args):
     """What the run is, read by every function below (common/utils.py's Context)."""
     utils.seed_everything(args.seed)
+    if not args.synthetic:
+        data.download_cifar10(args.data_dir)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # [02]
     if device.type == "cuda":  # [02]
         utils.use_deterministic_kernels()  # [02] or --resume drifts from an uninterrupted run
     else:  # [02]
         print("no GPU found: training on the CPU")  # [02]
-    if not args.synthetic:
-        data.download_cifar10(args.data_dir)
     return utils.Context(args, device, amp_dtype=flags.AMP_DTYPES[args.amp])  # [02] None: fp32
 
 

@@ -1,8 +1,7 @@
 """Step 04: one process per GPU, with `DistributedDataParallel` (DDP), launched by torchrun.
 
-New (relative to step 02; lines marked `# [04]`): torchrun starts one process per GPU; each reads
-its share of every global batch (`DistributedSampler`), DDP averages the gradients during backward,
-the ranks' test counts are summed, and rank 0 alone writes. Without GPUs: gloo on the CPU.
+New (relative to step 02; lines marked `# [04]`): torchrun starts a process per GPU, each on its
+share of every batch (`DistributedSampler`); DDP averages the gradients; rank 0 alone writes.
 
 Launch:
     torchrun --nproc_per_node=N 04_cifar10_ddp.py --amp bf16                           # N GPUs
@@ -14,7 +13,6 @@ import os
 import torch
 import torch.distributed as dist  # [04]
 import torch.nn.functional as F
-from torch.nn.parallel import DistributedDataParallel  # [04]
 from torch.utils.data import DistributedSampler, Subset  # [04]
 from tqdm import tqdm
 
@@ -30,8 +28,7 @@ def parse_args():
 
 def main():
     args = parse_args()
-    # SIGTERM or SIGUSR1 (preemption, a time limit near): every rank stops at one step, saved there.
-    distributed.catch_stop_signals()  # [04] first: until then, a signal kills the process
+    distributed.catch_stop_signals()  # [04] first: SIGTERM then stops all ranks at a step, saved
     context = setup(args)
     distributed.connect_stop_flag()  # [04] its own gloo group: fails here if gloo has no network
     train_set, sampler, train_loader, test_loader = build_data(context)
@@ -45,8 +42,7 @@ def main():
     scaler = torch.amp.GradScaler(context.device.type, enabled=args.amp == "fp16")  # [02]
     state = utils.State(model, optimizer, scheduler, last_step, scaler)  # [02]
 
-    # Started again (torchrun --max-restarts, a requeued Slurm job)? The ranks decide together.
-    if distributed.should_resume(args.resume, args.output_dir, "checkpoint.pt"):  # [04]
+    if distributed.should_resume(args.resume, args.output_dir, "checkpoint.pt"):  # [04] ranks agree
         load_checkpoint(context, state)
         if utils.finished(args.output_dir, state.step, last_step):  # run again after its end
             return
@@ -54,7 +50,7 @@ def main():
     record = utils.RunRecord(__file__, context, len(train_loader))
     for epoch in range(state.epoch, args.epochs):  # from the checkpoint's epoch if resumed
         state.epoch = epoch
-        sampler.set_epoch(epoch)  # [04] or DistributedSampler repeats epoch 0's order forever
+        sampler.set_epoch(epoch)  # a new order each epoch, or epoch 0's forever
         train_set.set_epoch(epoch)  # augmentation draws depend on (seed, epoch, sample) only
         record.start_training(state.step)
         train_loss = train_one_epoch(context, state, train_loader)
@@ -78,6 +74,9 @@ def setup(args):
     distributed.default_to_a_world_of_one()  # [04] started by plain `python`
     # torchrun sets each process's rank, local rank (its GPU), world size; Context reads the rank.
     local_rank, world_size = (int(os.environ[key]) for key in ("LOCAL_RANK", "WORLD_SIZE"))  # [04]
+    distributed.require_divisible_batch(args.batch_size, world_size)  # [04] a share per process
+    if not args.synthetic:
+        data.download_cifar10(args.data_dir)
     device = torch.device(f"cuda:{local_rank}" if torch.cuda.is_available() else "cpu")  # [04]
     if device.type == "cuda":  # [02]
         distributed.require_one_gpu_per_process()  # [04]
@@ -85,14 +84,8 @@ def setup(args):
         utils.use_deterministic_kernels()  # [02] or --resume drifts from an uninterrupted run
     else:  # [02]
         distributed.print0("no GPU found: training on the CPU")  # [04]
-    if args.batch_size % world_size:  # [04] --batch-size is global: each process takes a share
-        raise utils.UsageError(f"--batch-size {args.batch_size} is not divisible "  # [04]
-                               f"by the world size {world_size}")  # [04]
-    if not args.synthetic:
-        data.download_cifar10(args.data_dir)
-    # The process group connects the processes for collectives (broadcast, all-reduce...): NCCL
-    # between GPUs, gloo between CPUs. After the download, which its timeout could cut, and the
-    # checks: a rank that stops while others connect makes them fail with tracebacks.
+    # The process group connects the processes for collectives (broadcast, all-reduce...): NCCL on
+    # GPUs, gloo on CPUs. Last: a download could outlast its timeout, a check stop one rank alone.
     backend = "nccl" if device.type == "cuda" else "gloo"  # [04]
     dist.init_process_group(backend, timeout=distributed.TIMEOUT,  # [04]
                             device_id=device if backend == "nccl" else None)  # [04] NCCL: its GPU
@@ -102,8 +95,7 @@ def setup(args):
 def build_data(context):
     """The training set, its sampler, and the training and test loaders."""
     args, device = context.args, context.device
-    # Each process is a replica of the model (08-10 make a group of ranks one replica).
-    replica, replicas = context.replica, context.replicas  # [04]
+    replica, replicas = context.replica, context.replicas  # [04] a process, or a group of them
     batch_size = args.batch_size // replicas  # [04] this replica's share of each global batch
     train_set, test_set = data.load_cifar10(args.data_dir, args.synthetic, seed=args.seed)
     if args.batch_size > len(train_set):
@@ -126,8 +118,7 @@ def build_model(context):
     """The model (common/models.py), on the run's device, as this step trains it."""
     model = models.build(context.args).to(context.device)
     # DDP broadcasts rank 0's weights, then averages the gradients in backward: replicas stay equal.
-    device_ids = [context.device] if context.device.type == "cuda" else None  # [04]
-    model = DistributedDataParallel(model, device_ids=device_ids)  # [04]
+    model = torch.nn.parallel.DistributedDataParallel(model)  # [04] its inputs are on its device
     return model
 
 
@@ -173,8 +164,7 @@ def evaluate(context, model, loader):
     """Mean loss and accuracy over the whole test set; returns them and the number of samples."""
     device, amp_dtype = context.device, context.amp_dtype  # [02]
     model.eval()
-    # Rank 0's BatchNorm statistics, on the plain module: DDP's broadcast hangs a rank with no batch
-    distributed.broadcast_buffers(model.module)  # [04]
+    distributed.broadcast_buffers(model.module)  # [04] rank 0's BatchNorm statistics everywhere
     # The loss sum, the correct predictions, the samples.
     totals = torch.zeros(3, dtype=torch.float64, device=device)
     for images, labels in loader:

@@ -1,10 +1,8 @@
 """Step 05: the same processes, with the DeepSpeed engine: ZeRO, mixed precision, ds_config.json.
 
 New (relative to step 04; lines marked `# [05]`): `deepspeed.initialize` wraps 04's model, optimizer
-and schedule in an engine that averages the gradients (summed over --gradient_accumulation_steps
-micro-batches), runs fp16 or bf16, partitions the optimizer state, the gradients and the weights
-across the processes (ZeRO stages 1-3), and checkpoints a shard per rank. The loop stays ours:
-`model.backward(loss)`, `model.step()`. ds_config.json holds the settings; the command line wins.
+and schedule in an engine that averages the gradients (of accumulated micro-batches too), shards
+the optimizer state, gradients and weights (ZeRO 1-3), and checkpoints a shard per rank.
 
 Launch:
     deepspeed --num_gpus=N 05_cifar10_deepspeed.py --amp bf16           # N GPUs on this machine
@@ -37,28 +35,24 @@ def parse_args():
 
 def main():
     args = parse_args()
-    # SIGTERM or SIGUSR1 (preemption, a time limit near): every rank stops at one step, saved there.
-    distributed.catch_stop_signals()  # [04] first: until then, a signal kills the process
+    distributed.catch_stop_signals()  # [04] first: SIGTERM then stops all ranks at a step, saved
     context, config = setup(args)  # [05] and DeepSpeed's settings
     distributed.connect_stop_flag()  # [04] its own gloo group: fails here if gloo has no network
     train_set, sampler, train_loader, test_loader = build_data(context, config)  # [05]
     model = build_model(context)
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9, nesterov=True,
                                 weight_decay=5e-4)
-    # The loader yields micro-batches, N per optimizer step; a last incomplete group of N is left
-    # out (the engine would add it to the next epoch's first step).
+    # N micro-batches per optimizer step; an epoch's incomplete last group of N is left out.
     steps_per_epoch = len(train_loader) // config["gradient_accumulation_steps"]  # [05]
     total_steps = args.epochs * steps_per_epoch  # [05] the engine steps the schedule with them
     scheduler = torch.optim.lr_scheduler.OneCycleLR(optimizer, args.lr, total_steps=total_steps)
     last_step = min(args.max_steps, total_steps) if args.max_steps else total_steps
-    # The engine broadcasts rank 0's weights, wraps the optimizer (for ZeRO and 16 bits), averages
-    # the gradients in backward, steps the schedule, and checkpoints them all.
+    # Broadcasts rank 0's weights, wraps the optimizer (ZeRO, fp16), averages the gradients.
     model, optimizer, _, scheduler = deepspeed.initialize(  # [05]
         model=model, optimizer=optimizer, lr_scheduler=scheduler, config=config)  # [05]
     distributed.remove_deepspeed_shared_memory()  # [05] CPU, deepspeed launcher: 69 MB per rank
     state = utils.State(model, optimizer, scheduler, last_step)  # [05] the loop calls the engine
 
-    # Started again (torchrun --max-restarts, a requeued Slurm job)? The ranks decide together.
     if distributed.should_resume(args.resume, args.output_dir, "checkpoints", "latest"):  # [05]
         load_checkpoint(context, state)
         if utils.finished(args.output_dir, state.step, last_step):  # run again after its end
@@ -68,7 +62,7 @@ def main():
                              zero_stage=model.zero_optimization_stage())  # [05]
     for epoch in range(state.epoch, args.epochs):  # from the checkpoint's epoch if resumed
         state.epoch = epoch
-        sampler.set_epoch(epoch)  # [04] or DistributedSampler repeats epoch 0's order forever
+        sampler.set_epoch(epoch)  # a new order each epoch, or epoch 0's forever
         train_set.set_epoch(epoch)  # augmentation draws depend on (seed, epoch, sample) only
         record.start_training(state.step)
         train_loss = train_one_epoch(context, state, train_loader)
@@ -99,16 +93,7 @@ def setup(args):
     distributed.default_to_a_world_of_one()  # [04] started by plain `python`
     # torchrun sets each process's rank, local rank (its GPU), world size; Context reads the rank.
     local_rank, world_size = (int(os.environ[key]) for key in ("LOCAL_RANK", "WORLD_SIZE"))  # [04]
-    device = torch.device(f"cuda:{local_rank}" if torch.cuda.is_available() else "cpu")  # [04]
-    if device.type == "cuda":  # [02]
-        distributed.require_one_gpu_per_process()  # [04]
-        torch.cuda.set_device(device)  # [04] before any CUDA work, or every process would use GPU 0
-        utils.use_deterministic_kernels()  # [02] or --resume drifts from an uninterrupted run
-    else:  # [02]
-        distributed.print0("no GPU found: training on the CPU")  # [04]
-    if args.batch_size % world_size:  # [04] --batch-size is global: each process takes a share
-        raise utils.UsageError(f"--batch-size {args.batch_size} is not divisible "  # [04]
-                               f"by the world size {world_size}")  # [04]
+    distributed.require_divisible_batch(args.batch_size, world_size)  # [04] a share per process
     config = utils.read_json(args.deepspeed_config, "--deepspeed-config")  # [05]
     accumulation = (args.gradient_accumulation_steps  # [05]
                     or config.get("gradient_accumulation_steps", 1))  # [05]
@@ -130,9 +115,15 @@ def setup(args):
         config.setdefault("zero_optimization", {})["stage"] = args.zero_stage  # [05]
     if not args.synthetic:
         data.download_cifar10(args.data_dir)
-    # The process group connects the processes for collectives (broadcast, all-reduce...): NCCL
-    # between GPUs, gloo between CPUs. After the download, which its timeout could cut, and the
-    # checks: a rank that stops while others connect makes them fail with tracebacks.
+    device = torch.device(f"cuda:{local_rank}" if torch.cuda.is_available() else "cpu")  # [04]
+    if device.type == "cuda":  # [02]
+        distributed.require_one_gpu_per_process()  # [04]
+        torch.cuda.set_device(device)  # [04] before any CUDA work, or every process would use GPU 0
+        utils.use_deterministic_kernels()  # [02] or --resume drifts from an uninterrupted run
+    else:  # [02]
+        distributed.print0("no GPU found: training on the CPU")  # [04]
+    # The process group connects the processes for collectives (broadcast, all-reduce...): NCCL on
+    # GPUs, gloo on CPUs. Last: a download could outlast its timeout, a check stop one rank alone.
     backend = "nccl" if device.type == "cuda" else "gloo"  # [04]
     dist.init_process_group(backend, timeout=distributed.TIMEOUT,  # [04]
                             device_id=device if backend == "nccl" else None)  # [04] NCCL: its GPU
@@ -142,8 +133,7 @@ def setup(args):
 def build_data(context, config):  # [05]
     """The training set, its sampler, and the training and test loaders."""
     args, device = context.args, context.device
-    # Each process is a replica of the model (08-10 make a group of ranks one replica).
-    replica, replicas = context.replica, context.replicas  # [04]
+    replica, replicas = context.replica, context.replicas  # [04] a process, or a group of them
     batch_size = config["train_micro_batch_size_per_gpu"]  # [05] one forward and backward pass
     train_set, test_set = data.load_cifar10(args.data_dir, args.synthetic, seed=args.seed)
     if args.batch_size > len(train_set):
@@ -217,9 +207,8 @@ def evaluate(context, model, loader):
     """Mean loss and accuracy over the whole test set; returns them and the number of samples."""
     device, amp_dtype = context.device, context.amp_dtype  # [02]
     model.eval()
-    # DeepSpeed never synchronises buffers: each rank's BatchNorm statistics have followed its own
-    # batches. Evaluate with rank 0's everywhere, the ones that model.pt keeps.
-    distributed.broadcast_buffers(model.module)  # [04]
+    # DeepSpeed never synchronises buffers: each rank's statistics followed its own batches.
+    distributed.broadcast_buffers(model.module)  # [04] rank 0's BatchNorm statistics everywhere
     # The loss sum, the correct predictions, the samples.
     totals = torch.zeros(3, dtype=torch.float64, device=device)
     for images, labels in loader:
@@ -235,9 +224,8 @@ def evaluate(context, model, loader):
 
 def save_checkpoint(context, state):
     """Everything a resumed run needs to continue as if it had never stopped."""
-    # Every rank must call this: barriers inside, and under ZeRO-1 to 3 each rank writes its
-    # shard of the optimizer state (ZeRO-3: of the weights too); rank 0 alone would hang. The
-    # engine saves the weights, optimizer, schedule and loss scale; the client state is the rest.
+    # Every rank: barriers inside, and under ZeRO each rank writes its shard (rank 0 alone would
+    # hang). The engine saves weights, optimizer, schedule, loss scale; client_state the rest.
     args, directory = context.args, os.path.join(context.args.output_dir, "checkpoints")  # [05]
     tag = f"step{state.step}"  # [05]
     state.model.save_checkpoint(directory, tag=tag, save_latest=False, client_state={  # [05]

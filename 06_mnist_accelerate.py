@@ -1,9 +1,8 @@
 """Step 06: the same loop with Hugging Face Accelerate, on MNIST.
 
 New (relative to step 04; lines marked `# [06]`): an `Accelerator` replaces 04's set-up under any
-launcher; `prepare` wraps model, optimizer and schedule and shards the loaders; `backward`,
-`gather_for_metrics`, `reduce` and `save_state` do the rest. MNIST and its CNN (common/) replace
-CIFAR-10.
+launcher; `prepare` wraps model, optimizer, schedule and loaders; `backward`, `gather_for_metrics`,
+`reduce` and `save_state` do the rest. MNIST and its CNN (common/) replace CIFAR-10.
 
 Launch:
     accelerate launch --config_file accelerate_config.yaml 06_mnist_accelerate.py  # 2 GPUs, fp16
@@ -34,29 +33,25 @@ def parse_args():
 
 def main():
     args = parse_args()
-    # SIGTERM or SIGUSR1 (preemption, a time limit near): every rank stops at one step, saved there.
-    distributed.catch_stop_signals()  # [04] first: until then, a signal kills the process
-    context, accelerator = setup(args)  # [06]
+    distributed.catch_stop_signals()  # [04] first: SIGTERM then stops all ranks at a step, saved
+    context = setup(args)
     distributed.connect_stop_flag()  # [04] its own gloo group: fails here if gloo has no network
-    train_set, _, train_loader, test_loader = build_data(context)  # [06] set_epoch: below
+    train_set, sampler, train_loader, test_loader = build_data(context)
     model = build_model(context)
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9, nesterov=True,
                                 weight_decay=5e-4)
     total_steps = args.epochs * len(train_loader)
     scheduler = torch.optim.lr_scheduler.OneCycleLR(optimizer, args.lr, total_steps=total_steps)
     last_step = min(args.max_steps, total_steps) if args.max_steps else total_steps
-    # Moves the model to the device and wraps it (DDP, autocast), the optimizer (fp16's loss
-    # scaling) and the loaders, which it shards.
-    model, optimizer, train_loader, test_loader, scheduler = accelerator.prepare(  # [06]
+    # Moves and wraps the model (DDP, autocast), the optimizer (fp16's scaling); shards the loaders.
+    model, optimizer, train_loader, test_loader, scheduler = context.accelerator.prepare(  # [06]
         model, optimizer, train_loader, test_loader, scheduler)  # [06]
-    # One seed built the same weights everywhere; from here on each process draws its own dropout
-    # masks, from the seed plus its index (Python, NumPy, torch, GPUs).
+    # One seed built the same weights everywhere; from here each process draws its own dropout.
     set_seed(args.seed, device_specific=True)  # [06]
     state = utils.State(model, optimizer, scheduler, last_step)  # [06]
 
-    # Started again (torchrun --max-restarts, a requeued Slurm job)? The ranks decide together.
-    if distributed.should_resume(args.resume, args.output_dir, "checkpoint.pt"):  # [04]
-        load_checkpoint(context, state, accelerator)  # [06]
+    if distributed.should_resume(args.resume, args.output_dir, "checkpoint.pt"):  # [04] ranks agree
+        load_checkpoint(context, state)
         if utils.finished(args.output_dir, state.step, last_step):  # run again after its end
             return
 
@@ -66,33 +61,28 @@ def main():
         train_loader.set_epoch(epoch)  # [06] not the sampler's: the loader would overwrite it
         train_set.set_epoch(epoch)  # augmentation draws depend on (seed, epoch, sample) only
         record.start_training(state.step)
-        train_loss = train_one_epoch(context, state, train_loader, accelerator)  # [06]
+        train_loss = train_one_epoch(context, state, train_loader)
         record.stop_training(state.step)
-        test_loss, test_accuracy, test_samples = evaluate(context, model, test_loader,  # [06]
-                                                          accelerator)  # [06]
+        test_loss, test_accuracy, test_samples = evaluate(context, model, test_loader)
         record.end_epoch(epoch, state.step, train_loss, test_loss, test_accuracy, test_samples)
         if state.step >= last_step:
             break
 
     metrics = record.metrics()  # wall_seconds ends here, before the final writes
-    # One writer, and no collective in here: the other ranks would never join it. unwrap_model takes
-    # the wrappers off: a plain state_dict, without "module." prefixes.
+    # One writer, and no collective in here: the other ranks would never join it.
     if context.rank == 0:  # [04]
-        weights = accelerator.unwrap_model(model).state_dict()  # [06]
+        weights = context.accelerator.unwrap_model(model).state_dict()  # [06] no "module."
         utils.write_outputs(args.output_dir, weights, metrics)  # [06]
-    accelerator.wait_for_everyone()  # [06] leave together, as in 04
-    accelerator.end_training()  # [06] destroys the process group
+    context.accelerator.wait_for_everyone()  # [06] leave together, as in 04
+    context.accelerator.end_training()  # [06] destroys the process group
 
 
 def setup(args):
     """What the run is, read by every function below (common/utils.py's Context)."""
     utils.seed_everything(args.seed)
-    # The checks of the flags before the process group, which `Accelerator` starts (04 says why).
-    # The launcher sets WORLD_SIZE; plain `python` is a world of one.
+    # The checks before the process group, which `Accelerator` starts (04 says why). No launcher: 1.
     world_size = int(os.environ.get("WORLD_SIZE", "1"))  # [06]
-    if args.batch_size % world_size:  # [04] --batch-size is global: each process takes a share
-        raise utils.UsageError(f"--batch-size {args.batch_size} is not divisible "  # [04]
-                               f"by the world size {world_size}")  # [04]
+    distributed.require_divisible_batch(args.batch_size, world_size)  # [04] a share per process
     if not args.synthetic:
         data.download_mnist(args.data_dir)  # [06]
     # One object does 04's set-up under any launcher: process group, rank, world size, device.
@@ -104,11 +94,12 @@ def setup(args):
         kwargs_handlers=[InitProcessGroupKwargs(timeout=distributed.TIMEOUT)],  # [06] 04's timeout
     )  # [06]
     device = accelerator.device  # [06]
-    if device.type == "cuda":  # [06]
-        utils.use_deterministic_kernels()  # [06] or --resume drifts from an uninterrupted run
-    else:  # [06]
-        distributed.print0("no GPU found: training on the CPU")  # [06]
-    return utils.Context(args, device, amp_dtype=flags.AMP_DTYPES[args.amp]), accelerator  # [06]
+    if device.type == "cuda":  # [02]
+        utils.use_deterministic_kernels()  # [02] or --resume drifts from an uninterrupted run
+    else:  # [02]
+        distributed.print0("no GPU found: training on the CPU")  # [04]
+    return utils.Context(args, device, amp_dtype=flags.AMP_DTYPES[args.amp],  # [06]
+                         accelerator=accelerator)  # [06]
 
 
 def build_data(context):
@@ -120,9 +111,8 @@ def build_data(context):
                                f"({len(train_set)})")
     # 01's order, in global batches: `prepare` gives each process its share of every batch.
     sampler = DistributedSampler(train_set, num_replicas=1, rank=0, seed=args.seed)  # [06]
-    # A torch DataLoader, which `prepare` can shard. Its own generator: otherwise each epoch's
-    # iterator draws a seed from the global RNG, and a resumed run's random numbers would differ.
-    # Its workers start from a forkserver, not as forks of this threaded process (common/data.py).
+    # A torch DataLoader, which `prepare` can shard. As in common/data.py's BatchLoader: its own
+    # generator (a resumed run draws the same numbers), workers from a forkserver (we run threads).
     workers = dict(data.worker_options(args.num_workers), pin_memory=device.type == "cuda")  # [06]
     train_loader = DataLoader(train_set, batch_size=args.batch_size, sampler=sampler,  # [06]
                               generator=torch.Generator().manual_seed(args.seed),  # [06]
@@ -137,9 +127,10 @@ def build_model(context):
     return model
 
 
-def train_one_epoch(context, state, loader, accelerator):  # [06]
+def train_one_epoch(context, state, loader):
     """Train until the end of the epoch or the run's last step; returns the mean loss."""
     args, device, model = context.args, context.device, state.model
+    accelerator = context.accelerator  # [06]
     model.train()
     done = state.step - state.epoch * len(loader)  # batches of this epoch trained before a resume
     end = min(len(loader), done + state.last_step - state.step)
@@ -166,23 +157,24 @@ def train_one_epoch(context, state, loader, accelerator):  # [06]
             utils.check_finite(logged_loss, state.step)  # a diverged run stops before it saves NaNs
             progress.set_postfix(loss=f"{logged_loss:.3f}")
         if save_due:  # [06] on every process
-            save_checkpoint(context, state, accelerator)  # [06]
+            save_checkpoint(context, state)
         if stop:  # [04] every rank stops after this step, saved: exit status 75
             raise utils.Preempted(state.step, args.output_dir)  # [04]
     return accelerator.reduce(loss_sum, "mean").item() / max(end - done, 1)  # [06]
 
 
 @torch.no_grad()
-def evaluate(context, model, loader, accelerator):  # [06]
+def evaluate(context, model, loader):
     """Mean loss and accuracy over the whole test set; returns them and the number of samples."""
+    device = context.device  # [06]
     model.eval()
     # The loss sum, the correct predictions, the samples.
-    totals = torch.zeros(3, dtype=torch.float64, device=context.device)  # [06]
+    totals = torch.zeros(3, dtype=torch.float64, device=device)
     for images, labels in loader:
         logits = model(images)  # [06]
         # Every process's results, less the samples that `prepare` repeated to give each process a
         # full last batch: every rank then counts each test sample once, at any world size.
-        logits, labels = accelerator.gather_for_metrics((logits, labels))  # [06]
+        logits, labels = context.accelerator.gather_for_metrics((logits, labels))  # [06]
         totals[0] += F.cross_entropy(logits.float(), labels, reduction="sum")
         totals[1] += (logits.argmax(dim=1) == labels).sum()
         totals[2] += len(labels)
@@ -190,8 +182,9 @@ def evaluate(context, model, loader, accelerator):  # [06]
     return loss_sum / samples, correct / samples, int(samples)
 
 
-def save_checkpoint(context, state, accelerator):  # [06]
+def save_checkpoint(context, state):
     """Everything a resumed run needs to continue as if it had never stopped."""
+    accelerator = context.accelerator  # [06]
     # Every process: the main one writes model, optimizer and schedule; each its random state.
     args, directory = context.args, os.path.join(context.args.output_dir, "checkpoints")  # [06]
     accelerator.save_state(os.path.join(directory, f"step{state.step}"))  # [06]
@@ -204,19 +197,19 @@ def save_checkpoint(context, state, accelerator):  # [06]
         "epoch": state.epoch,
         "step": state.step,
         **utils.resume_settings(args),  # load_checkpoint refuses a resume with others
-        "world_size": accelerator.num_processes,  # [06] one random state per process
+        "world_size": context.world_size,  # [06] one random state per process
     }, os.path.join(args.output_dir, "checkpoint.pt"))
     utils.remove_other_checkpoints(directory, keep=f"step{state.step}")  # [06]
 
 
-def load_checkpoint(context, state, accelerator):  # [06]
+def load_checkpoint(context, state):
     """Restore `save_checkpoint`'s state into `state`, and say where the run continues."""
     args, path = context.args, os.path.join(context.args.output_dir, "checkpoint.pt")
     checkpoint = utils.load_checkpoint(path, map_location=context.device)
     utils.check_resumable(path, checkpoint, **utils.resume_settings(args),  # [06]
-                          world_size=accelerator.num_processes)  # [06]
+                          world_size=context.world_size)  # [06]
     step = f"step{checkpoint['step']}"  # [06]
-    accelerator.load_state(os.path.join(args.output_dir, "checkpoints", step))  # [06]
+    context.accelerator.load_state(os.path.join(args.output_dir, "checkpoints", step))  # [06]
     state.step, state.epoch = checkpoint["step"], checkpoint["epoch"]
     utils.report_resume(path, checkpoint)
 

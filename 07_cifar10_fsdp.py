@@ -1,11 +1,9 @@
 """Step 07: the same processes, with PyTorch's own sharding: FSDP2 (`fully_shard`).
 
 New (relative to step 04; lines marked `# [07]`), two ideas that come together: sharding, and the
-sharded checkpoints it needs. Each rank keeps 1/N of every weight, gradient and optimizer state:
-`fully_shard` makes each residual block, each BatchNorm layer and the root a unit, gathered just
-before it runs and freed after; the gradients are reduce-scattered, so each rank updates its shard.
-Every rank writes and reads its own shard of a checkpoint (torch.distributed.checkpoint), at any
-world size. `--amp` is FSDP's mixed-precision policy instead of autocast. Without GPUs: gloo.
+sharded checkpoints it needs. `fully_shard` keeps 1/N of each weight, gradient and optimizer state
+on each rank and gathers a unit's weights just before it runs; `--amp` is its mixed precision.
+Every rank writes and reads its own shards of a checkpoint (torch.distributed.checkpoint).
 
 Launch:
     torchrun --nproc_per_node=N 07_cifar10_fsdp.py --amp bf16                           # N GPUs
@@ -42,8 +40,7 @@ def parse_args():
 
 def main():
     args = parse_args()
-    # SIGTERM or SIGUSR1 (preemption, a time limit near): every rank stops at one step, saved there.
-    distributed.catch_stop_signals()  # [04] first: until then, a signal kills the process
+    distributed.catch_stop_signals()  # [04] first: SIGTERM then stops all ranks at a step, saved
     context = setup(args)
     distributed.connect_stop_flag()  # [04] its own gloo group: fails here if gloo has no network
     train_set, sampler, train_loader, test_loader = build_data(context)
@@ -54,12 +51,10 @@ def main():
     scheduler = torch.optim.lr_scheduler.OneCycleLR(optimizer, args.lr, total_steps=total_steps)
     last_step = min(args.max_steps, total_steps) if args.max_steps else total_steps
     # fp16: small gradients would underflow. The scaler multiplies the loss, later divides them.
-    # Every rank must agree to skip a step whose gradients overflowed, and each sees only its shard:
-    # the gradients are DTensors, whose overflow check takes the maximum over the ranks.
+    # The ranks skip an overflowed step together: the shards' overflow check is a max over ranks.
     scaler = torch.amp.GradScaler(context.device.type, enabled=args.amp == "fp16")  # [02]
     state = utils.State(model, optimizer, scheduler, last_step, scaler)  # [02]
 
-    # Started again (torchrun --max-restarts, a requeued Slurm job)? The ranks decide together.
     if distributed.should_resume(args.resume, args.output_dir, "checkpoints", "latest"):  # [07]
         load_checkpoint(context, state)
         if utils.finished(args.output_dir, state.step, last_step):  # run again after its end
@@ -68,7 +63,7 @@ def main():
     record = utils.RunRecord(__file__, context, len(train_loader))
     for epoch in range(state.epoch, args.epochs):  # from the checkpoint's epoch if resumed
         state.epoch = epoch
-        sampler.set_epoch(epoch)  # [04] or DistributedSampler repeats epoch 0's order forever
+        sampler.set_epoch(epoch)  # a new order each epoch, or epoch 0's forever
         train_set.set_epoch(epoch)  # augmentation draws depend on (seed, epoch, sample) only
         record.start_training(state.step)
         train_loss = train_one_epoch(context, state, train_loader)
@@ -79,8 +74,7 @@ def main():
             break
 
     metrics = record.metrics()  # wall_seconds ends here, before the final writes
-    # Gathering the full weights is a collective: every rank takes part, rank 0 alone receives them
-    # (the others get an empty dict), on the CPU, in fp32: model.pt in every step's format.
+    # A collective, on every rank: rank 0 alone receives the full weights, on its CPU, in fp32.
     options = StateDictOptions(full_state_dict=True, cpu_offload=True)  # [07]
     weights = get_model_state_dict(model, options=options)  # [07]
     # One writer, and no collective in here: the other ranks would never join it.
@@ -96,6 +90,9 @@ def setup(args):
     distributed.default_to_a_world_of_one()  # [04] started by plain `python`
     # torchrun sets each process's rank, local rank (its GPU), world size; Context reads the rank.
     local_rank, world_size = (int(os.environ[key]) for key in ("LOCAL_RANK", "WORLD_SIZE"))  # [04]
+    distributed.require_divisible_batch(args.batch_size, world_size)  # [04] a share per process
+    if not args.synthetic:
+        data.download_cifar10(args.data_dir)
     device = torch.device(f"cuda:{local_rank}" if torch.cuda.is_available() else "cpu")  # [04]
     if device.type == "cuda":  # [02]
         distributed.require_one_gpu_per_process()  # [04]
@@ -103,14 +100,8 @@ def setup(args):
         utils.use_deterministic_kernels()  # [02] or --resume drifts from an uninterrupted run
     else:  # [02]
         distributed.print0("no GPU found: training on the CPU")  # [04]
-    if args.batch_size % world_size:  # [04] --batch-size is global: each process takes a share
-        raise utils.UsageError(f"--batch-size {args.batch_size} is not divisible "  # [04]
-                               f"by the world size {world_size}")  # [04]
-    if not args.synthetic:
-        data.download_cifar10(args.data_dir)
-    # The process group connects the processes for collectives (broadcast, all-reduce...): NCCL
-    # between GPUs, gloo between CPUs. After the download, which its timeout could cut, and the
-    # checks: a rank that stops while others connect makes them fail with tracebacks.
+    # The process group connects the processes for collectives (broadcast, all-reduce...): NCCL on
+    # GPUs, gloo on CPUs. Last: a download could outlast its timeout, a check stop one rank alone.
     backend = "nccl" if device.type == "cuda" else "gloo"  # [04]
     dist.init_process_group(backend, timeout=distributed.TIMEOUT,  # [04]
                             device_id=device if backend == "nccl" else None)  # [04] NCCL: its GPU
@@ -120,8 +111,7 @@ def setup(args):
 def build_data(context):
     """The training set, its sampler, and the training and test loaders."""
     args, device = context.args, context.device
-    # Each process is a replica of the model (08-10 make a group of ranks one replica).
-    replica, replicas = context.replica, context.replicas  # [04]
+    replica, replicas = context.replica, context.replicas  # [04] a process, or a group of them
     batch_size = args.batch_size // replicas  # [04] this replica's share of each global batch
     train_set, test_set = data.load_cifar10(args.data_dir, args.synthetic, seed=args.seed)
     if args.batch_size > len(train_set):
@@ -146,14 +136,13 @@ def build_data(context):
 def build_model(context):
     """The model (common/models.py), on the run's device, as this step trains it. The optimizer
     is built after it: it must hold the shards (DTensors), not the full weights."""
-    # On the meta device: the model's shapes, no memory. Each rank allocates only its shards
-    # (to_empty, below), so a model larger than one GPU fits.
+    # On the meta device: shapes, no memory. Each rank allocates its shards only (to_empty, below):
+    # a model larger than one GPU fits.
     with torch.device("meta"):  # [07]
         model = models.build(context.args)  # [07]
     # Each residual block and BatchNorm layer, then the root, becomes a unit: each rank keeps a
-    # shard of its weights, gathered whole just before the unit's forward and backward and freed
-    # after (the root keeps them from forward to backward). Gradients are reduce-scattered: each
-    # rank averages and updates its own shard. --amp: 16-bit gathered copies, fp32 shards.
+    # shard of its weights, gathered whole just before the unit's forward and backward, freed after.
+    # Gradients are reduce-scattered: each rank updates its shard. --amp: 16-bit gathered copies.
     amp_dtype = context.amp_dtype  # [07]
     policy = MixedPrecisionPolicy(param_dtype=amp_dtype,  # [07]
                                   reduce_dtype=torch.float32 if amp_dtype else None)  # [07]
@@ -166,8 +155,8 @@ def build_model(context):
     root_policy = dataclasses.replace(policy, output_dtype=policy.reduce_dtype)  # [07]
     fully_shard(model, mp_policy=root_policy)  # [07]
     model.to_empty(device=context.device)  # [07] this rank's shards, not yet initialised
-    # One process's initial weights (the seed's), built in rank 0's CPU memory and sent tensor by
-    # tensor: each rank keeps its shard of each, and never holds the whole model on its device.
+    # The seed's initial weights, built on rank 0's CPU and sent tensor by tensor: each rank keeps
+    # its shard of each, and never holds the whole model on its device.
     initial_weights = models.build(context.args).state_dict() if context.rank == 0 else {}  # [07]
     options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)  # [07]
     set_model_state_dict(model, initial_weights, options=options)  # [07]
@@ -214,9 +203,7 @@ def evaluate(context, model, loader):
     """Mean loss and accuracy over the whole test set; returns them and the number of samples."""
     device = context.device  # [07]
     model.eval()
-    # FSDP shards the parameters only: each rank's BatchNorm statistics have followed its own
-    # batches. Evaluate with rank 0's everywhere, the ones that model.pt keeps.
-    distributed.broadcast_buffers(model)  # [07]
+    distributed.broadcast_buffers(model)  # [07] rank 0's BatchNorm statistics everywhere
     # The loss sum, the correct predictions, the samples.
     totals = torch.zeros(3, dtype=torch.float64, device=device)
     for images, labels in loader:

@@ -1,10 +1,9 @@
 """Step 08: the model split by layers: pipeline parallelism (`torch.distributed.pipelining`).
 
 New (relative to step 04; lines marked `# [08]`): each rank holds a few of ResNet-9's blocks, a
-pipeline stage, and passes each micro-batch's activations on (its gradients back) so that the stages
-work at once, in the order of a schedule (GPipe or 1F1B). World size / `--stages` replicas of the
-pipeline split each batch, as 04's ranks do. Each stage checkpoints its own part. Without GPUs: gloo
-on the CPU.
+pipeline stage, and passes each micro-batch's activations on (its gradients back), so that the
+stages work at once, in a schedule's order (GPipe, 1F1B). World size / `--stages` replicas of the
+pipeline split each batch, as 04's ranks do. Each stage checkpoints its own part.
 
 Launch:
     torchrun --nproc_per_node=N 08_cifar10_pipeline.py --amp bf16  # N GPUs: up to 4 stages
@@ -44,8 +43,7 @@ def parse_args():
 
 def main():
     args = parse_args()
-    # SIGTERM or SIGUSR1 (preemption, a time limit near): every rank stops at one step, saved there.
-    distributed.catch_stop_signals()  # [04] first: until then, a signal kills the process
+    distributed.catch_stop_signals()  # [04] first: SIGTERM then stops all ranks at a step, saved
     context = setup(args)
     distributed.connect_stop_flag()  # [04] its own gloo group: fails here if gloo has no network
     train_set, sampler, train_loader, test_loader = build_data(context)
@@ -58,7 +56,6 @@ def main():
     last_step = min(args.max_steps, total_steps) if args.max_steps else total_steps
     state = utils.State(stage, optimizer, scheduler, last_step)  # [08] bf16 or fp32: no scaler
 
-    # Started again (torchrun --max-restarts, a requeued Slurm job)? The ranks decide together.
     if distributed.should_resume(args.resume, args.output_dir, "checkpoints", "latest"):  # [08]
         load_checkpoint(context, state)
         if utils.finished(args.output_dir, state.step, last_step):  # run again after its end
@@ -69,7 +66,7 @@ def main():
                              microbatches=args.microbatches, schedule=args.schedule)  # [08]
     for epoch in range(state.epoch, args.epochs):  # from the checkpoint's epoch if resumed
         state.epoch = epoch
-        sampler.set_epoch(epoch)  # [04] or DistributedSampler repeats epoch 0's order forever
+        sampler.set_epoch(epoch)  # a new order each epoch, or epoch 0's forever
         train_set.set_epoch(epoch)  # augmentation draws depend on (seed, epoch, sample) only
         record.start_training(state.step)
         train_loss = train_one_epoch(context, state, train_loader, schedule)  # [08]
@@ -97,6 +94,14 @@ def setup(args):
     distributed.default_to_a_world_of_one()  # [04] started by plain `python`
     # torchrun sets each process's rank, local rank (its GPU), world size; Context reads the rank.
     local_rank, world_size = (int(os.environ[key]) for key in ("LOCAL_RANK", "WORLD_SIZE"))  # [04]
+    # A step skipped for an overflow would have to be skipped by every stage.
+    if args.amp == "fp16":  # [08]
+        raise utils.UsageError("--amp fp16: 08 has no loss scaling across pipeline stages; "  # [08]
+                               "use --amp bf16")  # [08]
+    # S stages x R replicas = the world size; each replica cuts its share into M micro-batches.
+    stages, replicas = distributed.pipeline_layout(args, world_size)  # [08]
+    if not args.synthetic:
+        data.download_cifar10(args.data_dir)
     device = torch.device(f"cuda:{local_rank}" if torch.cuda.is_available() else "cpu")  # [04]
     if device.type == "cuda":  # [02]
         distributed.require_one_gpu_per_process()  # [04]
@@ -104,19 +109,8 @@ def setup(args):
         utils.use_deterministic_kernels()  # [02] or --resume drifts from an uninterrupted run
     else:  # [02]
         distributed.print0("no GPU found: training on the CPU")  # [04]
-    # A step skipped for an overflow would have to be skipped by every stage.
-    if args.amp == "fp16":  # [08]
-        raise utils.UsageError("--amp fp16: 08 has no loss scaling across pipeline stages; "  # [08]
-                               "use --amp bf16")  # [08]
-    # S stages x R replicas = the world size, with S at most ResNet-9's 5 blocks and, under 1F1B
-    # (whose steady state runs one micro-batch per stage), at most M micro-batches; each replica's
-    # share of the batch is cut into M micro-batches. Said in one line (common/distributed.py).
-    stages, replicas = distributed.pipeline_layout(args, world_size)  # [08]
-    if not args.synthetic:
-        data.download_cifar10(args.data_dir)
-    # The process group connects the processes for collectives (broadcast, all-reduce...): NCCL
-    # between GPUs, gloo between CPUs. After the download, which its timeout could cut, and the
-    # checks: a rank that stops while others connect makes them fail with tracebacks.
+    # The process group connects the processes for collectives (broadcast, all-reduce...): NCCL on
+    # GPUs, gloo on CPUs. Last: a download could outlast its timeout, a check stop one rank alone.
     backend = "nccl" if device.type == "cuda" else "gloo"  # [04]
     dist.init_process_group(backend, timeout=distributed.TIMEOUT,  # [04]
                             device_id=device if backend == "nccl" else None)  # [04] NCCL: its GPU
@@ -129,7 +123,7 @@ def build_data(context):
     """The training set, its sampler, and the training and test loaders."""
     args, device = context.args, context.device
     # Per replica: all its stages read the same batches (the first the images, the last the labels).
-    replica, replicas = context.replica, context.replicas  # [04]
+    replica, replicas = context.replica, context.replicas  # [04] a process, or a group of them
     batch_size = args.batch_size // replicas  # [04] this replica's share of each global batch
     train_set, test_set = data.load_cifar10(args.data_dir, args.synthetic, seed=args.seed)
     if args.batch_size > len(train_set):
@@ -225,17 +219,13 @@ def evaluate(context, model, loader, schedule):  # [08]
         count = len(labels)  # [08]
         images, padded_labels = data.pad_batch(images, labels, batch_size)  # [08]
         with torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None):  # [02]
-            # Forward passes only. The last stage gets the whole batch's logits, the others None.
-            logits = schedule.eval(*[images] if stage.is_first else [],  # [08]
-                                   target=padded_labels)  # [08]
-            # Test-time augmentation (models.predict): mirrored images too.
-            if context.args.tta:  # [08]
-                mirrored = schedule.eval(*[images.flip(-1)] if stage.is_first else [],  # [08]
-                                         target=padded_labels)  # [08]
+            # Forward passes only (--tta: of the mirror images too); the last stage gets the logits.
+            views = [images, images.flip(-1)] if context.args.tta else [images]  # [08]
+            inputs = [[view] if stage.is_first else [] for view in views]  # [08] the first's only
+            outputs = [schedule.eval(*view, target=padded_labels) for view in inputs]  # [08]
         if not stage.is_last:  # [08] its totals stay 0
             continue  # [08]
-        logits = (logits + mirrored) / 2 if context.args.tta else logits  # [08]
-        logits = logits[:count]  # [08]
+        logits = (sum(outputs) / len(outputs))[:count]  # [08] the views' mean, as models.predict
         totals[0] += F.cross_entropy(logits.float(), labels, reduction="sum")
         totals[1] += (logits.argmax(dim=1) == labels).sum()
         totals[2] += len(labels)
@@ -245,7 +235,7 @@ def evaluate(context, model, loader, schedule):  # [08]
 
 
 # Optimizer state under each parameter's name (not per stage, whose groups would collide).
-CHECKPOINT_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)  # [08]
+BY_NAME = StateDictOptions(flatten_optimizer_state_dict=True)  # [08]
 
 
 def save_checkpoint(context, state):
@@ -254,8 +244,7 @@ def save_checkpoint(context, state):
     model, path = state.model.submod, os.path.join(directory, f"step{state.step}")  # [08]
     # What the replicas hold alike is written once, from any: BatchNorm's statistics, the first's.
     distributed.broadcast_buffers(model, group=context.mesh["dp"].get_group())  # [08]
-    model_state, optimizer_state = get_state_dict(model, state.optimizer,  # [08]
-                                                  options=CHECKPOINT_OPTIONS)  # [08]
+    model_state, optimizer_state = get_state_dict(model, state.optimizer, options=BY_NAME)  # [08]
     dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=path)  # [08]
     if context.rank != 0:  # [08] the rest is the same on every rank: one writer
         return  # [08]
@@ -277,11 +266,10 @@ def load_checkpoint(context, state):
                                        map_location=context.device)  # [08]
     utils.check_resumable(path, checkpoint, **utils.resume_settings(args))
     # Every rank reads its own stage's parameters and their optimizer state, whoever wrote them.
-    model_state, optimizer_state = get_state_dict(model, state.optimizer,  # [08]
-                                                  options=CHECKPOINT_OPTIONS)  # [08]
+    model_state, optimizer_state = get_state_dict(model, state.optimizer, options=BY_NAME)  # [08]
     dcp.load({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=path)  # [08]
     set_state_dict(model, state.optimizer, model_state_dict=model_state,  # [08]
-                   optim_state_dict=optimizer_state, options=CHECKPOINT_OPTIONS)  # [08]
+                   optim_state_dict=optimizer_state, options=BY_NAME)  # [08]
     state.scheduler.load_state_dict(checkpoint["scheduler"])
     utils.set_rng_state(checkpoint["rng"])
     state.step, state.epoch = checkpoint["step"], checkpoint["epoch"]

@@ -1,12 +1,9 @@
 """Step 09: layers split across ranks: tensor and sequence parallelism on a 2D mesh, and FSDP2.
 
-New (relative to step 07; lines marked `# [09]`): the model is a small vision transformer (tensor
-parallelism splits linear layers), trained with AdamW, and a group of `--tp-size` ranks computes
-each layer together. The attention heads and the MLP's hidden features are split across the group
-(the first projection of each by columns, the second by rows); between them, where every rank would
-otherwise repeat the same work, the norms and dropouts run on a slice of the tokens each (sequence
-parallelism). The group sees the same batch; world size / `--tp-size` such groups split each batch,
-sharded with FSDP2 as in 07. The loss comes from logits split by class. No GPU: gloo on the CPU.
+New (relative to step 07; lines marked `# [09]`): a group of `--tp-size` ranks computes each layer
+of a small vision transformer (AdamW) together, each with some attention heads and MLP features
+(tensor parallel), and the norms on a slice of the tokens (sequence parallel). World size /
+`--tp-size` groups split each batch, sharded with FSDP2 as in 07. The loss takes split logits.
 
 Launch:
     torchrun --nproc_per_node=N 09_cifar10_tensor_parallel.py --tp-size 2 --amp bf16  # N GPUs
@@ -58,8 +55,7 @@ def parse_args():
 
 def main():
     args = parse_args()
-    # SIGTERM or SIGUSR1 (preemption, a time limit near): every rank stops at one step, saved there.
-    distributed.catch_stop_signals()  # [04] first: until then, a signal kills the process
+    distributed.catch_stop_signals()  # [04] first: SIGTERM then stops all ranks at a step, saved
     context = setup(args)
     distributed.connect_stop_flag()  # [04] its own gloo group: fails here if gloo has no network
     train_set, sampler, train_loader, test_loader = build_data(context)
@@ -71,7 +67,6 @@ def main():
     last_step = min(args.max_steps, total_steps) if args.max_steps else total_steps
     state = utils.State(model, optimizer, scheduler, last_step)  # [09] bf16 or fp32: no scaler
 
-    # Started again (torchrun --max-restarts, a requeued Slurm job)? The ranks decide together.
     if distributed.should_resume(args.resume, args.output_dir, "checkpoints", "latest"):  # [07]
         load_checkpoint(context, state)
         if utils.finished(args.output_dir, state.step, last_step):  # run again after its end
@@ -81,7 +76,7 @@ def main():
                              tp_size=context.mesh["tp"].size())  # [09]
     for epoch in range(state.epoch, args.epochs):  # from the checkpoint's epoch if resumed
         state.epoch = epoch
-        sampler.set_epoch(epoch)  # [04] or DistributedSampler repeats epoch 0's order forever
+        sampler.set_epoch(epoch)  # a new order each epoch, or epoch 0's forever
         train_set.set_epoch(epoch)  # augmentation draws depend on (seed, epoch, sample) only
         record.start_training(state.step)
         train_loss = train_one_epoch(context, state, train_loader)
@@ -92,8 +87,7 @@ def main():
             break
 
     metrics = record.metrics()  # wall_seconds ends here, before the final writes
-    # Gathering the full weights is a collective: every rank takes part, rank 0 alone receives them
-    # (the others get an empty dict), on the CPU, in fp32: model.pt in every step's format.
+    # A collective, on every rank: rank 0 alone receives the full weights, on its CPU, in fp32.
     # A weight split along both mesh dimensions is gathered in two steps: torch warns on every rank.
     logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)  # [09]
     options = StateDictOptions(full_state_dict=True, cpu_offload=True)  # [07]
@@ -111,14 +105,6 @@ def setup(args):
     distributed.default_to_a_world_of_one()  # [04] started by plain `python`
     # torchrun sets each process's rank, local rank (its GPU), world size; Context reads the rank.
     local_rank, world_size = (int(os.environ[key]) for key in ("LOCAL_RANK", "WORLD_SIZE"))  # [04]
-    device = torch.device(f"cuda:{local_rank}" if torch.cuda.is_available() else "cpu")  # [04]
-    if device.type == "cuda":  # [02]
-        distributed.require_one_gpu_per_process()  # [04]
-        torch.cuda.set_device(device)  # [04] before any CUDA work, or every process would use GPU 0
-        # Strict: attention's fused kernels are deterministic only in that mode.
-        utils.use_deterministic_kernels(strict=True)  # [09] or --resume drifts
-    else:  # [02]
-        distributed.print0("no GPU found: training on the CPU")  # [04]
     # A step skipped for an overflow must be skipped by every rank of a group.
     if args.amp == "fp16":  # [09]
         raise utils.UsageError("--amp fp16: 09 has no loss scaling across tensor-parallel "  # [09]
@@ -128,9 +114,16 @@ def setup(args):
     tp_size, replicas = distributed.tensor_parallel_layout(args, world_size)  # [09]
     if not args.synthetic:
         data.download_cifar10(args.data_dir)
-    # The process group connects the processes for collectives (broadcast, all-reduce...): NCCL
-    # between GPUs, gloo between CPUs. After the download, which its timeout could cut, and the
-    # checks: a rank that stops while others connect makes them fail with tracebacks.
+    device = torch.device(f"cuda:{local_rank}" if torch.cuda.is_available() else "cpu")  # [04]
+    if device.type == "cuda":  # [02]
+        distributed.require_one_gpu_per_process()  # [04]
+        torch.cuda.set_device(device)  # [04] before any CUDA work, or every process would use GPU 0
+        # Strict: attention's fused kernels are deterministic only in that mode.
+        utils.use_deterministic_kernels(strict=True)  # [09] or --resume drifts
+    else:  # [02]
+        distributed.print0("no GPU found: training on the CPU")  # [04]
+    # The process group connects the processes for collectives (broadcast, all-reduce...): NCCL on
+    # GPUs, gloo on CPUs. Last: a download could outlast its timeout, a check stop one rank alone.
     backend = "nccl" if device.type == "cuda" else "gloo"  # [04]
     dist.init_process_group(backend, timeout=distributed.TIMEOUT,  # [04]
                             device_id=device if backend == "nccl" else None)  # [04] NCCL: its GPU
@@ -144,7 +137,7 @@ def build_data(context):
     """The training set, its sampler, and the training and test loaders."""
     args, device = context.args, context.device
     # Per replica: the ranks of a tensor-parallel group must compute on the same images.
-    replica, replicas = context.replica, context.replicas  # [04]
+    replica, replicas = context.replica, context.replicas  # [04] a process, or a group of them
     batch_size = args.batch_size // replicas  # [04] this replica's share of each global batch
     train_set, test_set = data.load_cifar10(args.data_dir, args.synthetic, seed=args.seed)
     if args.batch_size > len(train_set):
@@ -170,17 +163,14 @@ def build_model(context):
     """The model (common/models.py), on the run's device, as this step trains it. The optimizer
     is built after it: it must hold the shards (DTensors), not the full weights."""
     mesh = context.mesh  # [09]
-    # On the meta device: the model's shapes, no memory. Each rank allocates only its shards
-    # (to_empty, below), so a model larger than one GPU fits.
+    # On the meta device: shapes, no memory. Each rank allocates its shards only (to_empty, below):
+    # a model larger than one GPU fits.
     with torch.device("meta"):  # [07]
         model = models.build(context.args)  # [07]
-    # Tensor parallelism within each group. Colwise: each rank holds some output features of the
-    # layer (a few heads, a slice of the MLP's hidden features) and needs the whole input; rowwise:
-    # the matching input features, so its outputs are partial sums that the group adds up. Between
-    # the blocks' layers every rank would repeat the same norms, dropouts and residual additions:
-    # instead each runs them on its slice of the tokens (sequence parallel), and the group gathers
-    # the tokens before a colwise layer and reduce-scatters them after a rowwise one: the same
-    # amount of communication as an all-reduce.
+    # Colwise: a rank holds some output features (heads, MLP features) and needs the whole input;
+    # rowwise: the matching input features, so its outputs are partial sums that the group adds up.
+    # Between them, norms, dropouts and residuals run on a slice of the tokens each (sequence
+    # parallel): tokens gathered before colwise, reduce-scattered after rowwise (as an all-reduce).
     tp_plan = {  # [09]
         "attention_norm": SequenceParallel(),  # [09] its weights whole, its input a slice of tokens
         "attention": PrepareModuleInput(input_layouts=Shard(1),  # [09] all-gathers the tokens
@@ -206,9 +196,8 @@ def build_model(context):
         "head": ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1),  # [09]
                                 use_local_output=False),  # [09]
     })  # [09]
-    # Each block, then the root (the rest), becomes one FSDP unit across the replicas, as in 07:
-    # each rank keeps 1/replicas of its tensor-parallel part of every weight. --amp: the gathered
-    # copies are cast to 16 bits; the gradients are reduced, and the shards kept, in fp32.
+    # Each block, then the root, becomes one FSDP unit across the replicas, as in 07: each rank
+    # keeps 1/replicas of its tensor-parallel part of every weight.
     amp_dtype = context.amp_dtype  # [07]
     policy = MixedPrecisionPolicy(param_dtype=amp_dtype,  # [07]
                                   reduce_dtype=torch.float32 if amp_dtype else None)  # [07]
@@ -218,8 +207,8 @@ def build_model(context):
     fully_shard(model, mesh=mesh["dp"],  # [09]
                 mp_policy=dataclasses.replace(policy, output_dtype=policy.reduce_dtype))  # [09]
     model.to_empty(device=context.device)  # [07] this rank's shards, not yet initialised
-    # One process's initial weights (the seed's), built in rank 0's CPU memory and sent tensor by
-    # tensor: each rank keeps its shard of each, and never holds the whole model on its device.
+    # The seed's initial weights, built on rank 0's CPU and sent tensor by tensor: each rank keeps
+    # its shard of each, and never holds the whole model on its device.
     initial_weights = models.build(context.args).state_dict() if context.rank == 0 else {}  # [07]
     options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)  # [07]
     set_model_state_dict(model, initial_weights, options=options)  # [07]
@@ -236,12 +225,10 @@ def train_one_epoch(context, state, loader):
     progress = tqdm(loader.batches(done, end), total=end - done,
                     desc=f"epoch {state.epoch + 1}", leave=False, disable=context.rank != 0)  # [04]
     for images, labels in progress:
-        # Dropout masks from (seed, step, rank) alone: each rank's tokens get their own, and a
-        # resumed run the uninterrupted run's.
+        # Dropout masks from (seed, step, rank): each rank its own; a resume draws the same ones.
         torch.manual_seed(hash((args.seed, state.step, context.rank)))  # [09]
-        # The logits stay split by class across the group: the softmax's maximum and sum, and the
-        # target's log-probability, are all-reduced; the logits are never gathered. The backward
-        # pass needs the same context.
+        # The logits stay split by class: the softmax's max and sum and the target's log-probability
+        # are all-reduced, never the logits. The backward pass needs the same context.
         with loss_parallel():  # [09]
             logits = model(images)  # [09]
             loss = F.cross_entropy(logits, labels, reduction="none")  # [09]
@@ -294,7 +281,9 @@ def save_checkpoint(context, state):
     """Everything a resumed run needs to continue as if it had never stopped."""
     args, directory = context.args, os.path.join(context.args.output_dir, "checkpoints")  # [07]
     path = os.path.join(directory, f"step{state.step}")  # [07]
-    # The weights and the optimizer state stay sharded: every rank writes its own shards.
+    # A tensor not sharded is written once, from any rank: make the buffers rank 0's everywhere.
+    distributed.broadcast_buffers(state.model)  # [07]
+    # The weights and the optimizer state stay sharded: every rank writes its own, in parallel.
     model_state, optimizer_state = get_state_dict(state.model, state.optimizer)  # [07] this rank's
     dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=path)  # [07]
     if context.rank != 0:  # [07] the rest is the same on every rank: one writer
@@ -311,7 +300,7 @@ def save_checkpoint(context, state):
 
 def load_checkpoint(context, state):
     """Restore `save_checkpoint`'s state into `state`, and say where the run continues."""
-    args = context.args  # [09]
+    args = context.args  # [07]
     path = utils.latest_checkpoint(os.path.join(args.output_dir, "checkpoints"))  # [07]
     checkpoint = utils.load_checkpoint(os.path.join(path, "train_state.pt"),  # [07]
                                        map_location=context.device)  # [07]

@@ -48,8 +48,7 @@ def parse_args():
 
 def main():
     args = parse_args()
-    # SIGTERM or SIGUSR1 (preemption, a time limit near): every rank stops at one step, saved there.
-    distributed.catch_stop_signals()  # [04] first: until then, a signal kills the process
+    distributed.catch_stop_signals()  # [04] first: SIGTERM then stops all ranks at a step, saved
     context = setup(args)
     distributed.connect_stop_flag()  # [04] its own gloo group: fails here if gloo has no network
     train_set, sampler, train_loader, test_loader = build_data(context)
@@ -61,7 +60,6 @@ def main():
     last_step = min(args.max_steps, total_steps) if args.max_steps else total_steps
     state = utils.State(model, optimizer, scheduler, last_step)  # [09] bf16 or fp32: no scaler
 
-    # Started again (torchrun --max-restarts, a requeued Slurm job)? The ranks decide together.
     if distributed.should_resume(args.resume, args.output_dir, "checkpoints", "latest"):  # [07]
         load_checkpoint(context, state)
         if utils.finished(args.output_dir, state.step, last_step):  # run again after its end
@@ -71,7 +69,7 @@ def main():
                              cp_size=context.mesh["cp"].size())  # [10]
     for epoch in range(state.epoch, args.epochs):  # from the checkpoint's epoch if resumed
         state.epoch = epoch
-        sampler.set_epoch(epoch)  # [04] or DistributedSampler repeats epoch 0's order forever
+        sampler.set_epoch(epoch)  # a new order each epoch, or epoch 0's forever
         train_set.set_epoch(epoch)  # augmentation draws depend on (seed, epoch, sample) only
         record.start_training(state.step)
         train_loss = train_one_epoch(context, state, train_loader)
@@ -82,8 +80,7 @@ def main():
             break
 
     metrics = record.metrics()  # wall_seconds ends here, before the final writes
-    # Gathering the full weights is a collective: every rank takes part, rank 0 alone receives them
-    # (the others get an empty dict), on the CPU, in fp32: model.pt in every step's format.
+    # A collective, on every rank: rank 0 alone receives the full weights, on its CPU, in fp32.
     options = StateDictOptions(full_state_dict=True, cpu_offload=True)  # [07]
     weights = get_model_state_dict(model, options=options)  # [07]
     # One writer, and no collective in here: the other ranks would never join it.
@@ -99,14 +96,6 @@ def setup(args):
     distributed.default_to_a_world_of_one()  # [04] started by plain `python`
     # torchrun sets each process's rank, local rank (its GPU), world size; Context reads the rank.
     local_rank, world_size = (int(os.environ[key]) for key in ("LOCAL_RANK", "WORLD_SIZE"))  # [04]
-    device = torch.device(f"cuda:{local_rank}" if torch.cuda.is_available() else "cpu")  # [04]
-    if device.type == "cuda":  # [02]
-        distributed.require_one_gpu_per_process()  # [04]
-        torch.cuda.set_device(device)  # [04] before any CUDA work, or every process would use GPU 0
-        # Strict: attention's fused kernels are deterministic only in that mode.
-        utils.use_deterministic_kernels(strict=True)  # [09] or --resume drifts
-    else:  # [02]
-        distributed.print0("no GPU found: training on the CPU")  # [04]
     # 09's precisions: fp16 would need 07's loss scaler back.
     if args.amp == "fp16":  # [09]
         raise utils.UsageError("--amp fp16: 10 trains without a loss scaler, as 09 does; "  # [10]
@@ -116,9 +105,16 @@ def setup(args):
     cp_size, replicas = distributed.context_parallel_layout(args, world_size)  # [10]
     if not args.synthetic:
         data.download_cifar10(args.data_dir)
-    # The process group connects the processes for collectives (broadcast, all-reduce...): NCCL
-    # between GPUs, gloo between CPUs. After the download, which its timeout could cut, and the
-    # checks: a rank that stops while others connect makes them fail with tracebacks.
+    device = torch.device(f"cuda:{local_rank}" if torch.cuda.is_available() else "cpu")  # [04]
+    if device.type == "cuda":  # [02]
+        distributed.require_one_gpu_per_process()  # [04]
+        torch.cuda.set_device(device)  # [04] before any CUDA work, or every process would use GPU 0
+        # Strict: attention's fused kernels are deterministic only in that mode.
+        utils.use_deterministic_kernels(strict=True)  # [09] or --resume drifts
+    else:  # [02]
+        distributed.print0("no GPU found: training on the CPU")  # [04]
+    # The process group connects the processes for collectives (broadcast, all-reduce...): NCCL on
+    # GPUs, gloo on CPUs. Last: a download could outlast its timeout, a check stop one rank alone.
     backend = "nccl" if device.type == "cuda" else "gloo"  # [04]
     dist.init_process_group(backend, timeout=distributed.TIMEOUT,  # [04]
                             device_id=device if backend == "nccl" else None)  # [04] NCCL: its GPU
@@ -132,7 +128,7 @@ def build_data(context):
     """The training set, its sampler, and the training and test loaders."""
     args, device = context.args, context.device
     # Per replica: the ranks of a context-parallel group must compute on the same images.
-    replica, replicas = context.replica, context.replicas  # [04]
+    replica, replicas = context.replica, context.replicas  # [04] a process, or a group of them
     batch_size = args.batch_size // replicas  # [04] this replica's share of each global batch
     train_set, test_set = data.load_cifar10(args.data_dir, args.synthetic, seed=args.seed)
     if args.batch_size > len(train_set):
@@ -158,8 +154,8 @@ def build_model(context):
     """The model (common/models.py), on the run's device, as this step trains it. The optimizer
     is built after it: it must hold the shards (DTensors), not the full weights."""
     mesh = context.mesh  # [09]
-    # On the meta device: the model's shapes, no memory. Each rank allocates only its shards
-    # (to_empty, below), so a model larger than one GPU fits.
+    # On the meta device: shapes, no memory. Each rank allocates its shards only (to_empty, below):
+    # a model larger than one GPU fits.
     with torch.device("meta"):  # [07]
         model = models.build(context.args)  # [07]
     # Context parallelism within each group: from the embedding on, each rank keeps 64 / C of
@@ -200,8 +196,8 @@ def build_model(context):
     fully_shard(model, mesh=everyone,  # [10]
                 mp_policy=dataclasses.replace(policy, output_dtype=policy.reduce_dtype))  # [09]
     model.to_empty(device=context.device)  # [07] this rank's shards, not yet initialised
-    # One process's initial weights (the seed's), built in rank 0's CPU memory and sent tensor by
-    # tensor: each rank keeps its shard of each, and never holds the whole model on its device.
+    # The seed's initial weights, built on rank 0's CPU and sent tensor by tensor: each rank keeps
+    # its shard of each, and never holds the whole model on its device.
     initial_weights = models.build(context.args).state_dict() if context.rank == 0 else {}  # [07]
     options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)  # [07]
     set_model_state_dict(model, initial_weights, options=options)  # [07]
@@ -218,8 +214,7 @@ def train_one_epoch(context, state, loader):
     progress = tqdm(loader.batches(done, end), total=end - done,
                     desc=f"epoch {state.epoch + 1}", leave=False, disable=context.rank != 0)  # [04]
     for images, labels in progress:
-        # Dropout masks from (seed, step, rank) alone: each rank's tokens get their own, and a
-        # resumed run the uninterrupted run's.
+        # Dropout masks from (seed, step, rank): each rank its own; a resume draws the same ones.
         torch.manual_seed(hash((args.seed, state.step, context.rank)))  # [09]
         # Every rank of the group computes the same logits, and the same loss.
         logits = model(images)  # [10] in fp32 under --amp, as in 07
@@ -267,7 +262,9 @@ def save_checkpoint(context, state):
     """Everything a resumed run needs to continue as if it had never stopped."""
     args, directory = context.args, os.path.join(context.args.output_dir, "checkpoints")  # [07]
     path = os.path.join(directory, f"step{state.step}")  # [07]
-    # The weights and the optimizer state stay sharded: every rank writes its own shards.
+    # A tensor not sharded is written once, from any rank: make the buffers rank 0's everywhere.
+    distributed.broadcast_buffers(state.model)  # [07]
+    # The weights and the optimizer state stay sharded: every rank writes its own, in parallel.
     model_state, optimizer_state = get_state_dict(state.model, state.optimizer)  # [07] this rank's
     dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=path)  # [07]
     if context.rank != 0:  # [07] the rest is the same on every rank: one writer
@@ -284,7 +281,7 @@ def save_checkpoint(context, state):
 
 def load_checkpoint(context, state):
     """Restore `save_checkpoint`'s state into `state`, and say where the run continues."""
-    args = context.args  # [09]
+    args = context.args  # [07]
     path = utils.latest_checkpoint(os.path.join(args.output_dir, "checkpoints"))  # [07]
     checkpoint = utils.load_checkpoint(os.path.join(path, "train_state.pt"),  # [07]
                                        map_location=context.device)  # [07]

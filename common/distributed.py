@@ -115,6 +115,12 @@ def require_one_gpu_per_process():
                          "start one process per GPU (--nproc_per_node, --num_gpus)")
 
 
+def require_divisible_batch(batch_size, world_size):
+    """`--batch-size` is the global batch: every process takes an equal share of it."""
+    if batch_size % world_size:
+        raise UsageError(f"--batch-size {batch_size} is not divisible by the world size {world_size}")
+
+
 def pipeline_layout(args, world_size):
     """Step 08's layout, (stages, replicas), said in one line by rank 0: `--stages` pipeline stages, each
     replicated across the rest of the world. By default every rank is a stage, within ResNet-9's 5 blocks
@@ -156,8 +162,7 @@ def expert_parallel_layout(args, world_size):
     batch. Input that does not fit is one UsageError."""
     if args.top_k > args.experts:
         raise UsageError(f"--top-k {args.top_k} is more than the {args.experts} experts")
-    if args.batch_size % world_size:  # --batch-size is global: each process takes an equal share
-        raise UsageError(f"--batch-size {args.batch_size} is not divisible by the world size {world_size}")
+    require_divisible_batch(args.batch_size, world_size)
     return group_layout(args, world_size, "--ep-size", args.ep_size, args.experts, "experts")
 
 

@@ -399,7 +399,7 @@ def is_main_process():
 class Context:
     """What the run is, built once by a step's `setup` and read by every function, changed by none: the
     arguments, where and in what precision it computes, and its place among the processes (a world of one
-    before step 04; 08-11 lay their ranks out on a mesh)."""
+    before step 04; 06 keeps the `Accelerator` that connects them; 08-11 lay their ranks out on a mesh)."""
 
     args: argparse.Namespace
     device: torch.device
@@ -407,6 +407,7 @@ class Context:
     rank: int | None = None  # None: the process group's (04 on), or 0 without one
     world_size: int | None = None  # None: the process group's, or 1
     mesh: object = None  # a DeviceMesh (08-11)
+    accelerator: object = None  # 06's Accelerator: its process group, device and wrappers
 
     def __post_init__(self):
         grouped = dist.is_available() and dist.is_initialized()

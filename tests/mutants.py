@@ -49,7 +49,7 @@ class Mutant:
 
 MUTANTS = [
     Mutant("set_epoch", "04: each epoch shuffles anew (DistributedSampler.set_epoch)", "04_cifar10_ddp.py",
-           "        sampler.set_epoch(epoch)  # [04]", "        pass  # [04]", (f"{PARITY}[04 x2]",), PARITY_DIFFERS),
+           "        sampler.set_epoch(epoch)  #", "        pass  #", (f"{PARITY}[04 x2]",), PARITY_DIFFERS),
     Mutant("rank0_share", "04: each rank trains on its own share of the global batch", "04_cifar10_ddp.py",
            "num_replicas=replicas, rank=replica,", "num_replicas=replicas, rank=0,",
            (f"{PARITY}[04 x2]",), PARITY_DIFFERS),

@@ -227,13 +227,21 @@ def test_the_readme_stays_short():
     assert len(README.split()) <= README_WORDS
 
 
-def test_tour_table_diff_sizes_are_current():
+# The most lines each step's diff may change (README's diff column): so that the diff stays the lesson. 04 meets
+# the target of 75 that the issue "The diff is the lesson again" set; 05 (130), 06 (140), 07 (85), 08 (120) and
+# 09 (110) are still above theirs, and hold today's count until they meet it.
+DIFF_LIMITS = {"02": 44, "03": 31, "04": 75, "05": 139, "06": 157, "07": 108, "08": 169, "09": 141, "10": 143,
+               "11": 152}
+
+
+def test_tour_table_diff_sizes_are_current_and_within_their_limits():
     rows = re.findall(r"\| `(\d\d_\w+\.py)` \|.*\| (\d+) lines vs `(\d\d_\w+\.py)` \|", README)
     assert len(rows) == len(STEP_SCRIPTS) - 1, "one diff size per step after the first"
     for script, size, base in rows:
         diff = subprocess.run(["diff", ROOT / base, ROOT / script], capture_output=True, text=True).stdout
         changed = sum(line.startswith(("<", ">")) for line in diff.splitlines())
         assert int(size) == changed, f"README says {size} lines for {base} -> {script}, the diff has {changed}"
+        assert changed <= DIFF_LIMITS[script[:2]], f"{base} -> {script} changes {changed} lines, more than its limit"
 
 
 @pytest.mark.parametrize("page", PAGES)

@@ -19,7 +19,7 @@ LESSONS = {
     "02": ["torch.device(", "torch.autocast(", "GradScaler(", "scaler.scale(loss).backward()"],
     "03": ["nn.DataParallel(", "model.module.state_dict()"],
     "04": ['for key in ("LOCAL_RANK", "WORLD_SIZE")', "torch.cuda.set_device(",
-           "dist.init_process_group(", "DistributedSampler(", "sampler.set_epoch(", "DistributedDataParallel(",
+           "dist.init_process_group(", "DistributedSampler(", "DistributedDataParallel(",
            "dist.all_reduce(", "if context.rank == 0:", "dist.destroy_process_group()"],
     "05": ["deepspeed.initialize(", "model.backward(", "model.step()", "model.save_checkpoint(",
            "model.load_checkpoint(", "get_fp32_state_dict_from_zero_checkpoint("],

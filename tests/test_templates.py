@@ -462,8 +462,10 @@ def distributed_calls(source):
     def dotted(node):
         if isinstance(node, ast.Name):
             return names.get(node.id)
-        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "state":
-            return names.get(node.attr)  # a step's `state.model` is the `model` it built (common/utils.State)
+        if isinstance(node, ast.Attribute) and getattr(node.value, "id", None) in {"state", "context"}:
+            # A step's `state.model` is the `model` it built (common/utils.State); `context.accelerator` the
+            # `accelerator` its setup made (common/utils.Context).
+            return names.get(node.attr)
         if isinstance(node, ast.Attribute):
             base = dotted(node.value)
             if base and "()" in base and (node.attr == "module" or hasattr(torch.nn.Module, node.attr)):
@@ -478,7 +480,7 @@ def distributed_calls(source):
     # Names bound to the objects that distributed callables make (`sampler = DistributedSampler(...)`), and to
     # what Accelerate's `prepare` wraps; not to results such as tensors. In order: the last binding counts.
     assignments = sorted((node for node in ast.walk(tree) if isinstance(node, ast.Assign)), key=lambda n: n.lineno)
-    # Twice: a function that comes first may use what a later one makes (`context, accelerator = setup(args)`).
+    # Twice: a function that comes first may use what a later one makes (`accelerator = Accelerator(...)` in setup).
     for node in assignments * 2:
         made = isinstance(node.value, ast.Call) and dotted(node.value.func)
         if is_distributed(made) and ("()" not in made or made.endswith("().prepare")):
