@@ -1,7 +1,6 @@
 """Step 04: one process per GPU, with `DistributedDataParallel` (DDP), launched by torchrun.
 
-New (relative to step 02; lines marked `# [04]`): torchrun starts a process per GPU, each on its
-share of every batch (`DistributedSampler`); DDP averages the gradients; rank 0 alone writes.
+New (relative to step 02; lines marked `# [04]`): each process trains on a share of every batch.
 
 Launch:
     torchrun --nproc_per_node=N 04_cifar10_ddp.py --amp bf16                           # N GPUs
@@ -28,7 +27,7 @@ def parse_args():
 
 def main():
     args = parse_args()
-    distributed.catch_stop_signals()  # [04] first: SIGTERM then stops all ranks at a step, saved
+    distributed.catch_stop_signals()  # [04] first: until then SIGTERM, SIGUSR1 kill the process
     context = setup(args)
     distributed.connect_stop_flag()  # [04] its own gloo group: fails here if gloo has no network
     train_set, sampler, train_loader, test_loader = build_data(context)
@@ -42,7 +41,8 @@ def main():
     scaler = torch.amp.GradScaler(context.device.type, enabled=args.amp == "fp16")  # [02]
     state = utils.State(model, optimizer, scheduler, last_step, scaler)  # [02]
 
-    if distributed.should_resume(args.resume, args.output_dir, "checkpoint.pt"):  # [04] ranks agree
+    # Started again (torchrun --max-restarts, a requeued Slurm job)? The ranks decide together.
+    if distributed.should_resume(args.resume, args.output_dir, "checkpoint.pt"):  # [04]
         load_checkpoint(context, state)
         if utils.finished(args.output_dir, state.step, last_step):  # run again after its end
             return
@@ -61,8 +61,7 @@ def main():
             break
 
     metrics = record.metrics()  # wall_seconds ends here, before the final writes
-    # One writer, and no collective in here: the other ranks would never join it.
-    if context.rank == 0:  # [04]
+    if context.rank == 0:  # [04] one writer; no collective inside: no other rank would join it
         utils.write_outputs(args.output_dir, model.module.state_dict(), metrics)  # [04]
     dist.barrier()  # [04] leave together: a rank that leaves while rank 0 writes can abort it
     dist.destroy_process_group()  # [04]
@@ -85,7 +84,7 @@ def setup(args):
     else:  # [02]
         distributed.print0("no GPU found: training on the CPU")  # [04]
     # The process group connects the processes for collectives (broadcast, all-reduce...): NCCL on
-    # GPUs, gloo on CPUs. Last: a download could outlast its timeout, a check stop one rank alone.
+    # GPUs, gloo on CPUs. Joined last: a slow download, or one rank's failed check, would fail them.
     backend = "nccl" if device.type == "cuda" else "gloo"  # [04]
     dist.init_process_group(backend, timeout=distributed.TIMEOUT,  # [04]
                             device_id=device if backend == "nccl" else None)  # [04] NCCL: its GPU
@@ -164,7 +163,8 @@ def evaluate(context, model, loader):
     """Mean loss and accuracy over the whole test set; returns them and the number of samples."""
     device, amp_dtype = context.device, context.amp_dtype  # [02]
     model.eval()
-    distributed.broadcast_buffers(model.module)  # [04] rank 0's BatchNorm statistics everywhere
+    # Rank 0's BatchNorm statistics, on the plain module: DDP's broadcast hangs a rank with no batch
+    distributed.broadcast_buffers(model.module)  # [04]
     # The loss sum, the correct predictions, the samples.
     totals = torch.zeros(3, dtype=torch.float64, device=device)
     for images, labels in loader:

@@ -1,8 +1,8 @@
 """Step 05: the same processes, with the DeepSpeed engine: ZeRO, mixed precision, ds_config.json.
 
 New (relative to step 04; lines marked `# [05]`): `deepspeed.initialize` wraps 04's model, optimizer
-and schedule in an engine that averages the gradients (of accumulated micro-batches too), shards
-the optimizer state, gradients and weights (ZeRO 1-3), and checkpoints a shard per rank.
+and schedule in an engine that averages the gradients (of accumulated micro-batches too), and
+under ZeRO 1-3 shards the optimizer state, gradients and weights and checkpoints a shard per rank.
 
 Launch:
     deepspeed --num_gpus=N 05_cifar10_deepspeed.py --amp bf16           # N GPUs on this machine
@@ -35,24 +35,28 @@ def parse_args():
 
 def main():
     args = parse_args()
-    distributed.catch_stop_signals()  # [04] first: SIGTERM then stops all ranks at a step, saved
+    distributed.catch_stop_signals()  # [04] first: until then SIGTERM, SIGUSR1 kill the process
     context, config = setup(args)  # [05] and DeepSpeed's settings
     distributed.connect_stop_flag()  # [04] its own gloo group: fails here if gloo has no network
     train_set, sampler, train_loader, test_loader = build_data(context, config)  # [05]
     model = build_model(context)
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9, nesterov=True,
                                 weight_decay=5e-4)
-    # N micro-batches per optimizer step; an epoch's incomplete last group of N is left out.
+    # N micro-batches per optimizer step; an epoch's incomplete last group of N is left out (the
+    # engine counts micro-batches across epochs: it would join the next epoch's first step).
     steps_per_epoch = len(train_loader) // config["gradient_accumulation_steps"]  # [05]
     total_steps = args.epochs * steps_per_epoch  # [05] the engine steps the schedule with them
     scheduler = torch.optim.lr_scheduler.OneCycleLR(optimizer, args.lr, total_steps=total_steps)
     last_step = min(args.max_steps, total_steps) if args.max_steps else total_steps
-    # Broadcasts rank 0's weights, wraps the optimizer (ZeRO, fp16), averages the gradients.
+    # Broadcasts rank 0's weights, wraps the optimizer for ZeRO, averages the gradients.
     model, optimizer, _, scheduler = deepspeed.initialize(  # [05]
         model=model, optimizer=optimizer, lr_scheduler=scheduler, config=config)  # [05]
     distributed.remove_deepspeed_shared_memory()  # [05] CPU, deepspeed launcher: 69 MB per rank
-    state = utils.State(model, optimizer, scheduler, last_step)  # [05] the loop calls the engine
+    # fp16: small gradients would underflow. The scaler multiplies the loss, later divides them.
+    scaler = utils.deepspeed_grad_scaler(model)  # [05] the engine's: its checkpoints leave it out
+    state = utils.State(model, optimizer, scheduler, last_step, scaler)  # [02]
 
+    # Started again (torchrun --max-restarts, a requeued Slurm job)? The ranks decide together.
     if distributed.should_resume(args.resume, args.output_dir, "checkpoints", "latest"):  # [05]
         load_checkpoint(context, state)
         if utils.finished(args.output_dir, state.step, last_step):  # run again after its end
@@ -73,8 +77,7 @@ def main():
             break
 
     metrics = record.metrics()  # wall_seconds ends here, before the final writes
-    # One writer, and no collective in here: the other ranks would never join it.
-    if context.rank == 0:  # [04]
+    if context.rank == 0:  # [04] one writer; no collective inside: no other rank would join it
         # Under ZeRO-3 each rank holds a shard of the weights only: DeepSpeed's zero_to_fp32, its
         # offline converter, reassembles them from the final checkpoint. fp32, also under --amp.
         if model.zero_optimization_stage() == 3:  # [05]
@@ -123,7 +126,7 @@ def setup(args):
     else:  # [02]
         distributed.print0("no GPU found: training on the CPU")  # [04]
     # The process group connects the processes for collectives (broadcast, all-reduce...): NCCL on
-    # GPUs, gloo on CPUs. Last: a download could outlast its timeout, a check stop one rank alone.
+    # GPUs, gloo on CPUs. Joined last: a slow download, or one rank's failed check, would fail them.
     backend = "nccl" if device.type == "cuda" else "gloo"  # [04]
     dist.init_process_group(backend, timeout=distributed.TIMEOUT,  # [04]
                             device_id=device if backend == "nccl" else None)  # [04] NCCL: its GPU
@@ -207,8 +210,9 @@ def evaluate(context, model, loader):
     """Mean loss and accuracy over the whole test set; returns them and the number of samples."""
     device, amp_dtype = context.device, context.amp_dtype  # [02]
     model.eval()
-    # DeepSpeed never synchronises buffers: each rank's statistics followed its own batches.
-    distributed.broadcast_buffers(model.module)  # [04] rank 0's BatchNorm statistics everywhere
+    # DeepSpeed never synchronises buffers: each rank's BatchNorm statistics have followed its own
+    # batches. Evaluate with rank 0's everywhere, the ones that model.pt keeps.
+    distributed.broadcast_buffers(model.module)  # [04]
     # The loss sum, the correct predictions, the samples.
     totals = torch.zeros(3, dtype=torch.float64, device=device)
     for images, labels in loader:
@@ -225,10 +229,11 @@ def evaluate(context, model, loader):
 def save_checkpoint(context, state):
     """Everything a resumed run needs to continue as if it had never stopped."""
     # Every rank: barriers inside, and under ZeRO each rank writes its shard (rank 0 alone would
-    # hang). The engine saves weights, optimizer, schedule, loss scale; client_state the rest.
+    # hang). The engine saves weights, optimizer and schedule; client_state the rest.
     args, directory = context.args, os.path.join(context.args.output_dir, "checkpoints")  # [05]
     tag = f"step{state.step}"  # [05]
     state.model.save_checkpoint(directory, tag=tag, save_latest=False, client_state={  # [05]
+        "scaler": state.scaler.state_dict(),  # [02] the current loss scale
         "epoch": state.epoch,
         "step": state.step,
         "rng": utils.get_rng_state(),
@@ -247,6 +252,7 @@ def load_checkpoint(context, state):
     # One clear error, on every rank, before DeepSpeed loads the weights (its docstring says which).
     utils.check_deepspeed_checkpoint(directory, state.model, args)  # [05]
     path, checkpoint = state.model.load_checkpoint(directory)  # [05] each rank reads its shard
+    state.scaler.load_state_dict(checkpoint["scaler"])  # [02]
     utils.set_rng_state(checkpoint["rng"])
     state.step, state.epoch = checkpoint["step"], checkpoint["epoch"]
     utils.report_resume(path, checkpoint)

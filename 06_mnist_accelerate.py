@@ -33,7 +33,7 @@ def parse_args():
 
 def main():
     args = parse_args()
-    distributed.catch_stop_signals()  # [04] first: SIGTERM then stops all ranks at a step, saved
+    distributed.catch_stop_signals()  # [04] first: until then SIGTERM, SIGUSR1 kill the process
     context = setup(args)
     distributed.connect_stop_flag()  # [04] its own gloo group: fails here if gloo has no network
     train_set, sampler, train_loader, test_loader = build_data(context)
@@ -50,7 +50,8 @@ def main():
     set_seed(args.seed, device_specific=True)  # [06]
     state = utils.State(model, optimizer, scheduler, last_step)  # [06]
 
-    if distributed.should_resume(args.resume, args.output_dir, "checkpoint.pt"):  # [04] ranks agree
+    # Started again (torchrun --max-restarts, a requeued Slurm job)? The ranks decide together.
+    if distributed.should_resume(args.resume, args.output_dir, "checkpoint.pt"):  # [04]
         load_checkpoint(context, state)
         if utils.finished(args.output_dir, state.step, last_step):  # run again after its end
             return
@@ -69,8 +70,7 @@ def main():
             break
 
     metrics = record.metrics()  # wall_seconds ends here, before the final writes
-    # One writer, and no collective in here: the other ranks would never join it.
-    if context.rank == 0:  # [04]
+    if context.rank == 0:  # [04] one writer; no collective inside: no other rank would join it
         weights = context.accelerator.unwrap_model(model).state_dict()  # [06] no "module."
         utils.write_outputs(args.output_dir, weights, metrics)  # [06]
     context.accelerator.wait_for_everyone()  # [06] leave together, as in 04

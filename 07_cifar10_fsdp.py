@@ -40,7 +40,7 @@ def parse_args():
 
 def main():
     args = parse_args()
-    distributed.catch_stop_signals()  # [04] first: SIGTERM then stops all ranks at a step, saved
+    distributed.catch_stop_signals()  # [04] first: until then SIGTERM, SIGUSR1 kill the process
     context = setup(args)
     distributed.connect_stop_flag()  # [04] its own gloo group: fails here if gloo has no network
     train_set, sampler, train_loader, test_loader = build_data(context)
@@ -55,6 +55,7 @@ def main():
     scaler = torch.amp.GradScaler(context.device.type, enabled=args.amp == "fp16")  # [02]
     state = utils.State(model, optimizer, scheduler, last_step, scaler)  # [02]
 
+    # Started again (torchrun --max-restarts, a requeued Slurm job)? The ranks decide together.
     if distributed.should_resume(args.resume, args.output_dir, "checkpoints", "latest"):  # [07]
         load_checkpoint(context, state)
         if utils.finished(args.output_dir, state.step, last_step):  # run again after its end
@@ -77,8 +78,7 @@ def main():
     # A collective, on every rank: rank 0 alone receives the full weights, on its CPU, in fp32.
     options = StateDictOptions(full_state_dict=True, cpu_offload=True)  # [07]
     weights = get_model_state_dict(model, options=options)  # [07]
-    # One writer, and no collective in here: the other ranks would never join it.
-    if context.rank == 0:  # [04]
+    if context.rank == 0:  # [04] one writer; no collective inside: no other rank would join it
         utils.write_outputs(args.output_dir, weights, metrics)  # [07]
     dist.barrier()  # [04] leave together: a rank that leaves while rank 0 writes can abort it
     dist.destroy_process_group()  # [04]
@@ -101,7 +101,7 @@ def setup(args):
     else:  # [02]
         distributed.print0("no GPU found: training on the CPU")  # [04]
     # The process group connects the processes for collectives (broadcast, all-reduce...): NCCL on
-    # GPUs, gloo on CPUs. Last: a download could outlast its timeout, a check stop one rank alone.
+    # GPUs, gloo on CPUs. Joined last: a slow download, or one rank's failed check, would fail them.
     backend = "nccl" if device.type == "cuda" else "gloo"  # [04]
     dist.init_process_group(backend, timeout=distributed.TIMEOUT,  # [04]
                             device_id=device if backend == "nccl" else None)  # [04] NCCL: its GPU
@@ -141,8 +141,9 @@ def build_model(context):
     with torch.device("meta"):  # [07]
         model = models.build(context.args)  # [07]
     # Each residual block and BatchNorm layer, then the root, becomes a unit: each rank keeps a
-    # shard of its weights, gathered whole just before the unit's forward and backward, freed after.
-    # Gradients are reduce-scattered: each rank updates its shard. --amp: 16-bit gathered copies.
+    # shard of its weights, gathered whole just before the unit's forward and backward, freed after
+    # (the root's kept from forward to backward). Gradients are reduce-scattered: each rank updates
+    # its shard. --amp: 16-bit gathered copies; fp32 shards and reduced gradients.
     amp_dtype = context.amp_dtype  # [07]
     policy = MixedPrecisionPolicy(param_dtype=amp_dtype,  # [07]
                                   reduce_dtype=torch.float32 if amp_dtype else None)  # [07]
@@ -203,7 +204,7 @@ def evaluate(context, model, loader):
     """Mean loss and accuracy over the whole test set; returns them and the number of samples."""
     device = context.device  # [07]
     model.eval()
-    distributed.broadcast_buffers(model)  # [07] rank 0's BatchNorm statistics everywhere
+    distributed.broadcast_buffers(model)  # [07] FSDP never syncs buffers: rank 0's statistics
     # The loss sum, the correct predictions, the samples.
     totals = torch.zeros(3, dtype=torch.float64, device=device)
     for images, labels in loader:

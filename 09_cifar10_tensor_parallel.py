@@ -55,7 +55,7 @@ def parse_args():
 
 def main():
     args = parse_args()
-    distributed.catch_stop_signals()  # [04] first: SIGTERM then stops all ranks at a step, saved
+    distributed.catch_stop_signals()  # [04] first: until then SIGTERM, SIGUSR1 kill the process
     context = setup(args)
     distributed.connect_stop_flag()  # [04] its own gloo group: fails here if gloo has no network
     train_set, sampler, train_loader, test_loader = build_data(context)
@@ -67,6 +67,7 @@ def main():
     last_step = min(args.max_steps, total_steps) if args.max_steps else total_steps
     state = utils.State(model, optimizer, scheduler, last_step)  # [09] bf16 or fp32: no scaler
 
+    # Started again (torchrun --max-restarts, a requeued Slurm job)? The ranks decide together.
     if distributed.should_resume(args.resume, args.output_dir, "checkpoints", "latest"):  # [07]
         load_checkpoint(context, state)
         if utils.finished(args.output_dir, state.step, last_step):  # run again after its end
@@ -92,8 +93,7 @@ def main():
     logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)  # [09]
     options = StateDictOptions(full_state_dict=True, cpu_offload=True)  # [07]
     weights = get_model_state_dict(model, options=options)  # [07]
-    # One writer, and no collective in here: the other ranks would never join it.
-    if context.rank == 0:  # [04]
+    if context.rank == 0:  # [04] one writer; no collective inside: no other rank would join it
         utils.write_outputs(args.output_dir, weights, metrics)  # [07]
     dist.barrier()  # [04] leave together: a rank that leaves while rank 0 writes can abort it
     dist.destroy_process_group()  # [04]
@@ -123,7 +123,7 @@ def setup(args):
     else:  # [02]
         distributed.print0("no GPU found: training on the CPU")  # [04]
     # The process group connects the processes for collectives (broadcast, all-reduce...): NCCL on
-    # GPUs, gloo on CPUs. Last: a download could outlast its timeout, a check stop one rank alone.
+    # GPUs, gloo on CPUs. Joined last: a slow download, or one rank's failed check, would fail them.
     backend = "nccl" if device.type == "cuda" else "gloo"  # [04]
     dist.init_process_group(backend, timeout=distributed.TIMEOUT,  # [04]
                             device_id=device if backend == "nccl" else None)  # [04] NCCL: its GPU
@@ -169,8 +169,8 @@ def build_model(context):
         model = models.build(context.args)  # [07]
     # Colwise: a rank holds some output features (heads, MLP features) and needs the whole input;
     # rowwise: the matching input features, so its outputs are partial sums that the group adds up.
-    # Between them, norms, dropouts and residuals run on a slice of the tokens each (sequence
-    # parallel): tokens gathered before colwise, reduce-scattered after rowwise (as an all-reduce).
+    # Between them each rank runs the norms, dropouts and residuals on its own slice of the tokens
+    # (sequence parallel), not every rank on all: gathered before colwise, reduce-scattered after.
     tp_plan = {  # [09]
         "attention_norm": SequenceParallel(),  # [09] its weights whole, its input a slice of tokens
         "attention": PrepareModuleInput(input_layouts=Shard(1),  # [09] all-gathers the tokens

@@ -291,6 +291,14 @@ def latest_checkpoint(directory):
         return os.path.join(directory, file.read().strip())
 
 
+def deepspeed_grad_scaler(engine):
+    """The torch GradScaler that a DeepSpeed engine (0.19.8) scales fp16 losses with under `torch_autocast`: the
+    engine's under ZeRO-0, its ZeRO optimizer's under ZeRO-1 to 3. DeepSpeed's checkpoints leave it out, so a
+    resumed run would start again from the initial scale. Without fp16, a disabled one: its state is empty."""
+    scaler = engine.torch_autocast_z0_gradscaler or getattr(engine.optimizer, "torch_autocast_gradscaler", None)
+    return scaler or torch.amp.GradScaler(enabled=False)
+
+
 def check_deepspeed_checkpoint(directory, engine, args):
     """Refuse, on every rank alike and before DeepSpeed `engine` loads anything (its strict load of another
     model's weights, or its search for another ZeRO stage's files, ends in a traceback): no checkpoint
@@ -397,7 +405,7 @@ def is_main_process():
 
 @dataclasses.dataclass(frozen=True)
 class Context:
-    """What the run is, built once by a step's `setup` and read by every function, changed by none: the
+    """What the run is, built once by a step's `setup` and read by every function, reassigned by none: the
     arguments, where and in what precision it computes, and its place among the processes (a world of one
     before step 04; 06 keeps the `Accelerator` that connects them; 08-11 lay their ranks out on a mesh)."""
 

@@ -7,15 +7,18 @@ cached in ~/.cache/torch_extensions): install.sh does it; a run here that finds 
 built it: docs/deepspeed.md) compiles it again within its own timeout.
 """
 
+import datetime
 import json
+import os
 import shutil
+import sys
 
 import parity
 import pytest
 import torch
 from data_dirs import tiny_cifar10
-from jobs import SHORT_RUN_ARGS, SMALL_RESNET9, SMOKE_ARGS, SYNTHETIC_ARGS, run_job, sized_for
-from launch import LAUNCHERS, ON_GPU, forked, torchrun
+from jobs import SHORT_RUN_ARGS, SMALL_RESNET9, SMOKE_ARGS, SYNTHETIC_ARGS, import_script, run_job, sized_for
+from launch import LAUNCHERS, ON_GPU, environment, forked, in_local_processes, torchrun
 from outputs import (
     assert_same_weights,
     check_ok,
@@ -26,6 +29,8 @@ from outputs import (
     resumed_steps,
 )
 from resume import END_STEP, check_another_norm_is_refused, check_exact_resume
+
+from common import utils
 
 SCRIPT = "05_cifar10_deepspeed.py"
 
@@ -95,6 +100,48 @@ def test_resume_with_zero3_matches_uninterrupted_run(tmp_path):
     assert (checkpoints / "latest").read_text() == f"step{END_STEP}"
     assert [path.name for path in checkpoints.iterdir() if path.is_dir()] == [f"step{END_STEP}"]  # older ones removed
     check_another_norm_is_refused(launch, args, stopped)
+
+
+def fp16_scales_saved_and_resumed(output_dir, zero_stage):
+    """A small model in a DeepSpeed engine under `torch_autocast` fp16 (ZeRO `zero_stage`, on the CPU): after one
+    step its loss scale is set to 1024 and 05's save_checkpoint saves it; a new engine, through 05's
+    load_checkpoint, continues. Returns the two engines' scales."""
+    import deepspeed
+
+    # As a launcher would (this forked process only), with the environment's ninja, which built DeepSpeed's op.
+    os.environ.update(environment({"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1"}))
+    step = import_script(SCRIPT)
+    sys.argv = [SCRIPT, "--synthetic", "--output-dir", str(output_dir)]
+    context = utils.Context(step.parse_args(), torch.device("cpu"))
+    config = {"train_batch_size": 2, "zero_allow_untested_optimizer": True, "zero_optimization": {"stage": zero_stage},
+              "torch_autocast": {"enabled": True, "dtype": "fp16"}}
+    scales = []
+    for saving in (True, False):
+        model = torch.nn.Linear(4, 2)
+        engine, optimizer, _, _ = deepspeed.initialize(
+            model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), config=config)
+        state = utils.State(engine, optimizer, None, 1, utils.deepspeed_grad_scaler(engine))
+        if saving:
+            engine.backward(engine(torch.ones(2, 4)).float().sum())
+            engine.step()  # the scaler's first use makes its scale
+            state.scaler.update(1024.0)
+            state.step = 1
+            step.save_checkpoint(context, state)
+        else:
+            step.load_checkpoint(context, state)
+        scales.append(state.scaler.get_scale())
+    return scales
+
+
+@pytest.mark.parametrize("zero_stage", [0, 2])
+def test_an_fp16_resume_continues_with_the_saved_loss_scale(zero_stage, tmp_path):
+    """DeepSpeed 0.19.8 checkpoints leave out the torch GradScaler it scales fp16 losses with under `torch_autocast`
+    (the engine's under ZeRO-0, the ZeRO optimizer's under 1 to 3): 05 keeps it in the client state. Without it a
+    resumed fp16 run starts again from the initial scale, 65536, and skips other steps than the run that never
+    stopped. 05 runs fp16 on GPUs only; the engine and its scaler are the same on the CPU."""
+    scales = in_local_processes(lambda rank: fp16_scales_saved_and_resumed(tmp_path, zero_stage), 1,
+                                datetime.timedelta(seconds=120))
+    assert scales[0] == [1024.0, 1024.0]
 
 
 @pytest.mark.full
