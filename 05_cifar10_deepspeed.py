@@ -111,7 +111,7 @@ def setup(args):
                   train_micro_batch_size_per_gpu=micro_batch,  # [05]
                   gradient_accumulation_steps=accumulation)  # [05]
     # torch.autocast, not DeepSpeed's "bf16" and "fp16", which cast every parameter (BatchNorm's
-    # too) to 16 bits. The engine runs its forward in the config's autocast, else it turns ours off.
+    # too) to 16 bits. Its forward runs in the config's autocast (on GPUs, without it, ours is off).
     if args.amp != "none":  # [05]
         config["torch_autocast"] = {"enabled": True, "dtype": args.amp}  # [05] fp16: a GradScaler
     if args.zero_stage is not None:  # [05]
