@@ -106,11 +106,15 @@ def fp16_scales_saved_and_resumed(output_dir, zero_stage):
     """A small model in a DeepSpeed engine under `torch_autocast` fp16 (ZeRO `zero_stage`, on the CPU): after one
     finite step its loss scale is set to 1024 and 05's save_checkpoint saves it; a new engine, through 05's
     load_checkpoint, continues. Returns the two engines' scaler states (scale, growth tracker...)."""
-    import deepspeed
-
     # As a launcher would (this forked process only), with the environment's ninja, which built DeepSpeed's op.
-    # DeepSpeed's CPU accelerator on a GPU machine too: the model and its input stay on the CPU.
+    # DeepSpeed's CPU accelerator on a GPU machine too (set again below, in case this process inherited another):
+    # the model and its input stay on the CPU.
     os.environ.update(environment({"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "DS_ACCELERATOR": "cpu"}))
+    import deepspeed
+    from deepspeed.accelerator import set_accelerator
+    from deepspeed.accelerator.cpu_accelerator import CPU_Accelerator
+
+    set_accelerator(CPU_Accelerator())
     step = import_script(SCRIPT)
     sys.argv = [SCRIPT, "--synthetic", "--output-dir", str(output_dir)]
     context = utils.Context(step.parse_args(), torch.device("cpu"))
