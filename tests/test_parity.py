@@ -12,8 +12,8 @@ import dataclasses
 import parity
 import pytest
 from data_dirs import tiny_cifar10, tiny_mnist
-from jobs import SMALL_RESNET9, SMALL_VIT
-from outputs import trained_once
+from jobs import SMALL_RESNET9, SMALL_VIT, run_job
+from outputs import check_ok, read_metrics, trained_once
 
 from common import models
 
@@ -34,15 +34,19 @@ def trained(tmp_path_factory):
                  "other": ["--data-dir", tiny_cifar10(data / "cifar10", TRAIN_SIZE, TEST_SIZE), "--epochs", EPOCHS]}
 
     def command(name, output_dir):
-        row = parity.ROWS_BY_NAME[name]
-        if row.launcher == "torchrun":  # 06's `accelerate launch` stays, the tiers' only parity check of it
-            row = dataclasses.replace(row, launcher="forked")
-        if row.dtype == "float64":  # float32 rows: 2 steps, as the benchmark runs them (rounding sets in soon after)
-            row = dataclasses.replace(row, steps=STEPS)
-        return [*parity.command(row, output_dir, data=data_args["06" if row.script.startswith("06") else "other"]),
-                *SMALL_MODELS.get(row.script[:2], [])]
+        return row_command(name, output_dir, data_args["06" if name.startswith("06") else "other"])
 
     return trained_once(tmp_path_factory, command, timeout=300, env=parity.ENV)
+
+
+def row_command(name, output_dir, data):
+    """The command line of the parity row `name`, as the tiers run it, on `data` (the data set and epochs)."""
+    row = parity.ROWS_BY_NAME[name]
+    if row.launcher == "torchrun":  # 06's `accelerate launch` stays, the tiers' only parity check of it
+        row = dataclasses.replace(row, launcher="forked")
+    if row.dtype == "float64":  # float32 rows: 2 steps, as the benchmark runs them (rounding sets in soon after)
+        row = dataclasses.replace(row, steps=STEPS)
+    return [*parity.command(row, output_dir, data=data), *SMALL_MODELS.get(row.script[:2], [])]
 
 
 @pytest.mark.parametrize("name", [pytest.param(row.name, marks=[pytest.mark.full] if row.name in FULL_TIER else [])
@@ -51,6 +55,21 @@ def test_same_weights_as_the_reference_run(name, trained):
     row = parity.ROWS_BY_NAME[name]
     difference = parity.max_relative_difference(trained(name), trained(row.reference))
     assert difference <= parity.TOLERANCE[row.dtype], f"{name} vs {row.reference}: {difference:.1e}"
+
+
+@pytest.mark.full
+def test_test_time_augmentation_of_08_evaluates_as_01s(tmp_path):
+    """--tta on 2 stages: 08's last stage averages the logits of the images and of their mirror images, as
+    models.predict does in 01. The same weights (the rows above), so the same test loss, to the rows' tolerance."""
+    data = ["--data-dir", tiny_cifar10(tmp_path / "cifar10", TRAIN_SIZE, TEST_SIZE), "--epochs", EPOCHS, "--tta"]
+    metrics = {}
+    for name in ("01", "08 2x1"):
+        output_dir = tmp_path / name.replace(" ", "_")
+        check_ok(run_job(row_command(name, output_dir, data), timeout=300, env=parity.ENV))
+        metrics[name] = read_metrics(output_dir)
+    assert metrics["08 2x1"]["test_samples"] == metrics["01"]["test_samples"] == TEST_SIZE
+    assert metrics["08 2x1"]["test_loss"] == pytest.approx(metrics["01"]["test_loss"], rel=parity.TOLERANCE["float64"])
+    assert metrics["08 2x1"]["test_accuracy"] == metrics["01"]["test_accuracy"]
 
 
 def test_group_norm_weights_load_into_the_common_model(trained):

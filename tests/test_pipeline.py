@@ -3,12 +3,9 @@ data parallelism (2 stages x 2 replicas), exact evaluation, the whole model in m
 written stage by stage that resume exactly. Parity with 01 in float64 is in tests/test_parity.py, a
 killed worker in tests/test_faults.py, bad input in tests/test_errors.py."""
 
-import dataclasses
 import json
 
-import parity
 import pytest
-from data_dirs import tiny_cifar10
 from jobs import SMALL_RESNET9, SMOKE_ARGS, SYNTHETIC_ARGS, run_job
 from launch import forked, python, torchrun
 from outputs import check_ok, check_smoke_run, read_metrics
@@ -50,25 +47,6 @@ def test_five_processes_get_no_pipeline_and_say_why(tmp_path):
                                        "--output-dir", tmp_path), timeout=300))
     assert (read_metrics(tmp_path)["stages"], read_metrics(tmp_path)["world_size"]) == (1, 5)
     assert "1 stage(s) x 5 replica(s): no stage count from 2 to 4 divides 5 (--help)\n" in result.stdout
-
-
-@pytest.mark.full
-def test_test_time_augmentation_evaluates_as_01_does(tmp_path):
-    """--tta on 2 stages: the last stage averages the logits of the images and of their mirror images, as
-    models.predict does in 01. The parity rows in float64 on a small data set (tests/test_parity.py): the same
-    weights, so the same test loss, to the rows' tolerance."""
-    data = ["--data-dir", tiny_cifar10(tmp_path / "cifar10", 24, 10), "--epochs", 2, "--tta"]
-    metrics = {}
-    for name in ("01", "08 2x1"):
-        row = parity.ROWS_BY_NAME[name]
-        row = dataclasses.replace(row, launcher="forked" if row.launcher == "torchrun" else row.launcher)
-        output_dir = tmp_path / name.replace(" ", "_")
-        check_ok(run_job([*parity.command(row, output_dir, data=data), *map(str, SMALL_RESNET9)], env=parity.ENV,
-                         timeout=300))
-        metrics[name] = read_metrics(output_dir)
-    assert metrics["08 2x1"]["test_samples"] == metrics["01"]["test_samples"] == 10
-    assert metrics["08 2x1"]["test_loss"] == pytest.approx(metrics["01"]["test_loss"], rel=parity.TOLERANCE["float64"])
-    assert metrics["08 2x1"]["test_accuracy"] == metrics["01"]["test_accuracy"]
 
 
 @pytest.mark.full
