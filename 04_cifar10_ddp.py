@@ -12,7 +12,7 @@ import os
 import torch
 import torch.distributed as dist  # [04]
 import torch.nn.functional as F
-from torch.utils.data import DistributedSampler, Subset  # [04]
+from torch.utils.data import DistributedSampler
 from tqdm import tqdm
 
 from common import data, distributed, flags, models, utils  # [04]
@@ -107,8 +107,9 @@ def build_data(context):
     train_loader = data.BatchLoader(train_set, batch_size, sampler=sampler, drop_last=True,  # [04]
                                     device=device, num_workers=args.num_workers)
     # A disjoint slice per replica: DistributedSampler would pad the slices, counting samples twice.
-    test_shard = Subset(test_set, range(replica, len(test_set), replicas))  # [04]
-    test_loader = data.BatchLoader(test_shard, batch_size, device=device,  # [04]
+    # As many batches in each: from 05 on, a forward pass can be a collective that every rank joins.
+    test_batches = data.equal_batches(len(test_set), replicas, replica, batch_size)  # [04]
+    test_loader = data.BatchLoader(test_set, batch_sampler=test_batches, device=device,  # [04]
                                    num_workers=args.num_workers)
     return train_set, sampler, train_loader, test_loader
 
@@ -151,7 +152,7 @@ def train_one_epoch(context, state, loader):
             logged_loss = distributed.all_reduce_mean(loss).item()  # [04] all stop on a NaN at once
             utils.check_finite(logged_loss, state.step)  # a diverged run stops before it saves NaNs
             progress.set_postfix(loss=f"{logged_loss:.3f}")
-        if save_due and context.rank == 0:  # [04]
+        if save_due:
             save_checkpoint(context, state)
         if stop:  # [04] every rank stops after this step, saved: exit status 75
             raise utils.Preempted(state.step, args.output_dir)  # [04]
@@ -163,8 +164,8 @@ def evaluate(context, model, loader):
     """Mean loss and accuracy over the whole test set; returns them and the number of samples."""
     device, amp_dtype = context.device, context.amp_dtype  # [02]
     model.eval()
-    # Rank 0's BatchNorm statistics, on the plain module: DDP's broadcast hangs a rank with no batch
-    distributed.broadcast_buffers(model.module)  # [04]
+    # Rank 0's BatchNorm statistics on every rank: the forward passes below never sync buffers.
+    distributed.broadcast_buffers(model)  # [04]
     # The loss sum, the correct predictions, the samples.
     totals = torch.zeros(3, dtype=torch.float64, device=device)
     for images, labels in loader:
@@ -181,6 +182,8 @@ def evaluate(context, model, loader):
 def save_checkpoint(context, state):
     """Everything a resumed run needs to continue as if it had never stopped."""
     args = context.args
+    if context.rank != 0:  # [04] what follows is the same on every rank: one writer
+        return  # [04]
     utils.save_atomic({
         "model": state.model.module.state_dict(),  # [04] not DDP's: no "module." prefixes
         "optimizer": state.optimizer.state_dict(),

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist  # [04]
 import torch.nn.functional as F
 from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint  # [05]
-from torch.utils.data import DistributedSampler, Subset  # [04]
+from torch.utils.data import DistributedSampler
 from tqdm import tqdm
 
 from common import data, distributed, flags, models, utils  # [04]
@@ -149,11 +149,9 @@ def build_data(context, config):  # [05]
     train_loader = data.BatchLoader(train_set, batch_size, sampler=sampler, drop_last=True,  # [04]
                                     device=device, num_workers=args.num_workers)
     # A disjoint slice per replica: DistributedSampler would pad the slices, counting samples twice.
-    test_shard = Subset(test_set, range(replica, len(test_set), replicas))  # [04]
-    # Under ZeRO-3 a forward pass may gather weights from every rank, so every rank must run as many
-    # test batches as the others: each slice is cut into the same number of batches.
-    test_batches = data.equal_batches(len(test_set), replicas, replica, batch_size)  # [05]
-    test_loader = data.BatchLoader(test_shard, batch_sampler=test_batches, device=device,  # [05]
+    # As many batches in each: from 05 on, a forward pass can be a collective that every rank joins.
+    test_batches = data.equal_batches(len(test_set), replicas, replica, batch_size)  # [04]
+    test_loader = data.BatchLoader(test_set, batch_sampler=test_batches, device=device,  # [04]
                                    num_workers=args.num_workers)
     return train_set, sampler, train_loader, test_loader
 
@@ -198,7 +196,7 @@ def train_one_epoch(context, state, loader):
             logged_loss = distributed.all_reduce_mean(loss).item()  # [04] all stop on a NaN at once
             utils.check_finite(logged_loss, state.step)  # a diverged run stops before it saves NaNs
             progress.set_postfix(loss=f"{logged_loss:.3f}")
-        if save_due:  # [05] every rank saves its own shard
+        if save_due:
             save_checkpoint(context, state)
         if stop:  # [04] every rank stops after this step, saved: exit status 75
             raise utils.Preempted(state.step, args.output_dir)  # [04]
@@ -210,9 +208,8 @@ def evaluate(context, model, loader):
     """Mean loss and accuracy over the whole test set; returns them and the number of samples."""
     device, amp_dtype = context.device, context.amp_dtype  # [02]
     model.eval()
-    # DeepSpeed never synchronises buffers: each rank's BatchNorm statistics have followed its own
-    # batches. Evaluate with rank 0's everywhere, the ones that model.pt keeps.
-    distributed.broadcast_buffers(model.module)  # [04]
+    # Rank 0's BatchNorm statistics on every rank: the forward passes below never sync buffers.
+    distributed.broadcast_buffers(model)  # [04]
     # The loss sum, the correct predictions, the samples.
     totals = torch.zeros(3, dtype=torch.float64, device=device)
     for images, labels in loader:
@@ -242,8 +239,9 @@ def save_checkpoint(context, state):
     })  # [05]
     # Our `latest`, not DeepSpeed's, which rank 0 writes before the other ranks have finished their
     # shards: after the final barrier, atomically (a crash mid-save leaves the previous one named).
-    if context.rank == 0:  # [05]
-        utils.commit_checkpoint(directory, tag)  # [05]
+    if context.rank != 0:  # [04] what follows is the same on every rank: one writer
+        return  # [04]
+    utils.commit_checkpoint(directory, tag)  # [05]
 
 
 def load_checkpoint(context, state):

@@ -156,7 +156,7 @@ def train_one_epoch(context, state, loader):
             logged_loss = accelerator.reduce(loss.detach(), "mean").item()  # [06] on every rank
             utils.check_finite(logged_loss, state.step)  # a diverged run stops before it saves NaNs
             progress.set_postfix(loss=f"{logged_loss:.3f}")
-        if save_due:  # [06] on every process
+        if save_due:
             save_checkpoint(context, state)
         if stop:  # [04] every rank stops after this step, saved: exit status 75
             raise utils.Preempted(state.step, args.output_dir)  # [04]
@@ -184,13 +184,12 @@ def evaluate(context, model, loader):
 
 def save_checkpoint(context, state):
     """Everything a resumed run needs to continue as if it had never stopped."""
-    accelerator = context.accelerator  # [06]
     # Every process: the main one writes model, optimizer and schedule; each its random state.
     args, directory = context.args, os.path.join(context.args.output_dir, "checkpoints")  # [06]
-    accelerator.save_state(os.path.join(directory, f"step{state.step}"))  # [06]
-    accelerator.wait_for_everyone()  # [06] every file complete before checkpoint.pt names it
-    if not accelerator.is_main_process:  # [06]
-        return  # [06]
+    context.accelerator.save_state(os.path.join(directory, f"step{state.step}"))  # [06]
+    context.accelerator.wait_for_everyone()  # [06] all files complete before checkpoint.pt names it
+    if context.rank != 0:  # [04] what follows is the same on every rank: one writer
+        return  # [04]
     # save_state fills a directory, not atomically: checkpoint.pt, written atomically after it, says
     # which step the newest complete one holds. The older directories go.
     utils.save_atomic({

@@ -17,15 +17,11 @@ import os
 import torch
 import torch.distributed as dist  # [04]
 import torch.distributed.checkpoint as dcp  # [08]
+import torch.distributed.checkpoint.state_dict as dcp_state  # [08] the state of a stage, in and out
 import torch.nn.functional as F
-from torch.distributed.checkpoint.state_dict import (  # [08]
-    StateDictOptions,  # [08]
-    get_state_dict,  # [08]
-    set_state_dict,  # [08]
-)  # [08]
 from torch.distributed.device_mesh import init_device_mesh  # [08]
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe  # [08]
-from torch.utils.data import DistributedSampler, Subset  # [04]
+from torch.utils.data import DistributedSampler
 from tqdm import tqdm
 
 from common import data, distributed, flags, models, utils  # [04]
@@ -136,8 +132,9 @@ def build_data(context):
     train_loader = data.BatchLoader(train_set, batch_size, sampler=sampler, drop_last=True,  # [04]
                                     device=device, num_workers=args.num_workers)
     # A disjoint slice per replica: DistributedSampler would pad the slices, counting samples twice.
-    test_shard = Subset(test_set, range(replica, len(test_set), replicas))  # [04]
-    test_loader = data.BatchLoader(test_shard, batch_size, device=device,  # [04]
+    # As many batches in each: from 05 on, a forward pass can be a collective that every rank joins.
+    test_batches = data.equal_batches(len(test_set), replicas, replica, batch_size)  # [04]
+    test_loader = data.BatchLoader(test_set, batch_sampler=test_batches, device=device,  # [04]
                                    num_workers=args.num_workers)
     return train_set, sampler, train_loader, test_loader
 
@@ -196,7 +193,7 @@ def train_one_epoch(context, state, loader, schedule):  # [08]
             logged_loss = distributed.all_reduce_mean(loss).item() * mesh["pp"].size()  # [08]
             utils.check_finite(logged_loss, state.step)  # a diverged run stops before it saves NaNs
             progress.set_postfix(loss=f"{logged_loss:.3f}")
-        if save_due:  # [08] every rank: each stage writes its own part
+        if save_due:
             save_checkpoint(context, state)
         if stop:  # [04] every rank stops after this step, saved: exit status 75
             raise utils.Preempted(state.step, args.output_dir)  # [04]
@@ -235,7 +232,7 @@ def evaluate(context, model, loader, schedule):  # [08]
 
 
 # Optimizer state under each parameter's name (not per stage, whose groups would collide).
-BY_NAME = StateDictOptions(flatten_optimizer_state_dict=True)  # [08]
+BY_NAME = dcp_state.StateDictOptions(flatten_optimizer_state_dict=True)  # [08]
 
 
 def save_checkpoint(context, state):
@@ -244,10 +241,11 @@ def save_checkpoint(context, state):
     model, path = state.model.submod, os.path.join(directory, f"step{state.step}")  # [08]
     # What the replicas hold alike is written once, from any: BatchNorm's statistics, the first's.
     distributed.broadcast_buffers(model, group=context.mesh["dp"].get_group())  # [08]
-    model_state, optimizer_state = get_state_dict(model, state.optimizer, options=BY_NAME)  # [08]
+    model_state, optimizer_state = dcp_state.get_state_dict(model, state.optimizer,  # [08]
+                                                            options=BY_NAME)  # [08]
     dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=path)  # [08]
-    if context.rank != 0:  # [08] the rest is the same on every rank: one writer
-        return  # [08]
+    if context.rank != 0:  # [04] what follows is the same on every rank: one writer
+        return  # [04]
     utils.save_atomic({
         "scheduler": state.scheduler.state_dict(),
         "epoch": state.epoch,
@@ -262,14 +260,14 @@ def load_checkpoint(context, state):
     """Restore `save_checkpoint`'s state into `state`, and say where the run continues."""
     args, model = context.args, state.model.submod  # [08]
     path = utils.latest_checkpoint(os.path.join(args.output_dir, "checkpoints"))  # [08]
-    checkpoint = utils.load_checkpoint(os.path.join(path, "train_state.pt"),  # [08]
-                                       map_location=context.device)  # [08]
+    checkpoint = utils.load_checkpoint(os.path.join(path, "train_state.pt"), "cpu")  # [08]
     utils.check_resumable(path, checkpoint, **utils.resume_settings(args))
     # Every rank reads its own stage's parameters and their optimizer state, whoever wrote them.
-    model_state, optimizer_state = get_state_dict(model, state.optimizer, options=BY_NAME)  # [08]
+    model_state, optimizer_state = dcp_state.get_state_dict(model, state.optimizer,  # [08]
+                                                            options=BY_NAME)  # [08]
     dcp.load({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=path)  # [08]
-    set_state_dict(model, state.optimizer, model_state_dict=model_state,  # [08]
-                   optim_state_dict=optimizer_state, options=BY_NAME)  # [08]
+    dcp_state.set_state_dict(model, state.optimizer, model_state_dict=model_state,  # [08]
+                             optim_state_dict=optimizer_state, options=BY_NAME)  # [08]
     state.scheduler.load_state_dict(checkpoint["scheduler"])
     utils.set_rng_state(checkpoint["rng"])
     state.step, state.epoch = checkpoint["step"], checkpoint["epoch"]

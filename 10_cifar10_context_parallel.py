@@ -14,24 +14,17 @@ Launch:
     torchrun --standalone --nproc_per_node=4 10_cifar10_context_parallel.py --synthetic  # cp 2 dp 2
 """
 
-import dataclasses  # [07]
 import os
 
 import torch
 import torch.distributed as dist  # [04]
 import torch.distributed._functional_collectives as funcol  # [10] collectives that autograd follows
 import torch.distributed.checkpoint as dcp  # [07]
+import torch.distributed.checkpoint.state_dict as dcp_state  # [07] the sharded state, in and out
 import torch.nn.functional as F
-from torch.distributed.checkpoint.state_dict import (  # [07] the sharded state, in and out
-    StateDictOptions,  # [07]
-    get_model_state_dict,  # [07]
-    get_state_dict,  # [07]
-    set_model_state_dict,  # [07]
-    set_state_dict,  # [07]
-)  # [07]
 from torch.distributed.device_mesh import init_device_mesh  # [09]
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard  # [07]
-from torch.utils.data import DistributedSampler, Subset  # [04]
+from torch.utils.data import DistributedSampler
 from tqdm import tqdm
 
 from common import data, distributed, flags, models, utils  # [04]
@@ -82,8 +75,8 @@ def main():
 
     metrics = record.metrics()  # wall_seconds ends here, before the final writes
     # A collective, on every rank: rank 0 alone receives the full weights, on its CPU, in fp32.
-    options = StateDictOptions(full_state_dict=True, cpu_offload=True)  # [07]
-    weights = get_model_state_dict(model, options=options)  # [07]
+    options = dcp_state.StateDictOptions(full_state_dict=True, cpu_offload=True)  # [07]
+    weights = dcp_state.get_model_state_dict(model, options=options)  # [07]
     if context.rank == 0:  # [04] one writer; no collective inside: no other rank would join it
         utils.write_outputs(args.output_dir, weights, metrics)  # [07]
     dist.barrier()  # [04] leave together: a rank that leaves while rank 0 writes can abort it
@@ -141,11 +134,9 @@ def build_data(context):
     train_loader = data.BatchLoader(train_set, batch_size, sampler=sampler, drop_last=True,  # [04]
                                     device=device, num_workers=args.num_workers)
     # A disjoint slice per replica: DistributedSampler would pad the slices, counting samples twice.
-    test_shard = Subset(test_set, range(replica, len(test_set), replicas))  # [04]
-    # Every forward pass gathers each unit's weights from every rank, so every rank must run as many
-    # test batches as the others: each slice is cut into the same number of batches.
-    test_batches = data.equal_batches(len(test_set), replicas, replica, batch_size)  # [07]
-    test_loader = data.BatchLoader(test_shard, batch_sampler=test_batches, device=device,  # [07]
+    # As many batches in each: from 05 on, a forward pass can be a collective that every rank joins.
+    test_batches = data.equal_batches(len(test_set), replicas, replica, batch_size)  # [04]
+    test_loader = data.BatchLoader(test_set, batch_sampler=test_batches, device=device,  # [04]
                                    num_workers=args.num_workers)
     return train_set, sampler, train_loader, test_loader
 
@@ -154,10 +145,8 @@ def build_model(context):
     """The model (common/models.py), on the run's device, as this step trains it. The optimizer
     is built after it: it must hold the shards (DTensors), not the full weights."""
     mesh = context.mesh  # [09]
-    # On the meta device: shapes, no memory. Each rank allocates its shards only (to_empty, below):
-    # a model larger than one GPU fits.
-    with torch.device("meta"):  # [07]
-        model = models.build(context.args)  # [07]
+    with torch.device("meta"):  # [07] shapes, no memory: each rank allocates its shards (to_empty)
+        model = models.build(context.args)  # [07] so a model larger than one GPU fits
     # Context parallelism within each group: from the embedding on, each rank keeps 64 / C of
     # every image's tokens. The norms, the MLP and every projection work token by token: each rank
     # runs them on its own tokens.
@@ -187,20 +176,19 @@ def build_model(context):
     # all ranks by C x replicas: the mean over the replicas. --amp: the gathered copies are cast to
     # 16 bits; the gradients are reduced, and the shards kept, in fp32.
     everyone = init_device_mesh(context.device.type, (context.world_size,))  # [10]
-    amp_dtype = context.amp_dtype  # [07]
-    policy = MixedPrecisionPolicy(param_dtype=amp_dtype,  # [07]
-                                  reduce_dtype=torch.float32 if amp_dtype else None)  # [07]
+    amp_dtype = context.amp_dtype  # [07] --amp: the type of the gathered copies
+    reduce_dtype = torch.float32 if amp_dtype else None  # [07] and fp32 shards, reduced gradients
+    policy = MixedPrecisionPolicy(param_dtype=amp_dtype, reduce_dtype=reduce_dtype)  # [07]
     for block in model.blocks:  # [09]
         fully_shard(block, mesh=everyone, mp_policy=policy)  # [10]
     # The root returns the logits in fp32 under --amp (reduce_dtype): the loss is computed in fp32.
-    fully_shard(model, mesh=everyone,  # [10]
-                mp_policy=dataclasses.replace(policy, output_dtype=policy.reduce_dtype))  # [09]
+    root_policy = MixedPrecisionPolicy(amp_dtype, reduce_dtype, output_dtype=reduce_dtype)  # [07]
+    fully_shard(model, mesh=everyone, mp_policy=root_policy)  # [10]
     model.to_empty(device=context.device)  # [07] this rank's shards, not yet initialised
-    # The seed's initial weights, built on rank 0's CPU and sent tensor by tensor: each rank keeps
-    # its shard of each, and never holds the whole model on its device.
+    # The seed's weights, from rank 0's CPU one tensor at a time: each rank keeps only its shards.
     initial_weights = models.build(context.args).state_dict() if context.rank == 0 else {}  # [07]
-    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)  # [07]
-    set_model_state_dict(model, initial_weights, options=options)  # [07]
+    options = dcp_state.StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)  # [07]
+    dcp_state.set_model_state_dict(model, initial_weights, options=options)  # [07]
     return model
 
 
@@ -233,7 +221,7 @@ def train_one_epoch(context, state, loader):
             logged_loss = distributed.all_reduce_mean(loss).item()  # [04] all stop on a NaN at once
             utils.check_finite(logged_loss, state.step)  # a diverged run stops before it saves NaNs
             progress.set_postfix(loss=f"{logged_loss:.3f}")
-        if save_due:  # [07] every rank: its own shard
+        if save_due:
             save_checkpoint(context, state)
         if stop:  # [04] every rank stops after this step, saved: exit status 75
             raise utils.Preempted(state.step, args.output_dir)  # [04]
@@ -265,10 +253,10 @@ def save_checkpoint(context, state):
     # A tensor not sharded is written once, from any rank: make the buffers rank 0's everywhere.
     distributed.broadcast_buffers(state.model)  # [07]
     # The weights and the optimizer state stay sharded: every rank writes its own, in parallel.
-    model_state, optimizer_state = get_state_dict(state.model, state.optimizer)  # [07] this rank's
+    model_state, optimizer_state = dcp_state.get_state_dict(state.model, state.optimizer)  # [07]
     dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=path)  # [07]
-    if context.rank != 0:  # [07] the rest is the same on every rank: one writer
-        return  # [07]
+    if context.rank != 0:  # [04] what follows is the same on every rank: one writer
+        return  # [04]
     utils.save_atomic({
         "scheduler": state.scheduler.state_dict(),
         "epoch": state.epoch,
@@ -283,14 +271,13 @@ def load_checkpoint(context, state):
     """Restore `save_checkpoint`'s state into `state`, and say where the run continues."""
     args = context.args  # [07]
     path = utils.latest_checkpoint(os.path.join(args.output_dir, "checkpoints"))  # [07]
-    checkpoint = utils.load_checkpoint(os.path.join(path, "train_state.pt"),  # [07]
-                                       map_location=context.device)  # [07]
+    checkpoint = utils.load_checkpoint(os.path.join(path, "train_state.pt"), "cpu")  # [07]
     utils.check_resumable(path, checkpoint, **utils.resume_settings(args))
     # Every rank reads the parts of the shards it now holds: a checkpoint loads at any world size.
-    model_state, optimizer_state = get_state_dict(state.model, state.optimizer)  # [07] to fill
+    model_state, optimizer_state = dcp_state.get_state_dict(state.model, state.optimizer)  # [07]
     dcp.load({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=path)  # [07]
-    set_state_dict(state.model, state.optimizer,  # [07]
-                   model_state_dict=model_state, optim_state_dict=optimizer_state)  # [07]
+    dcp_state.set_state_dict(state.model, state.optimizer,  # [07]
+                             model_state_dict=model_state, optim_state_dict=optimizer_state)  # [07]
     state.scheduler.load_state_dict(checkpoint["scheduler"])
     utils.set_rng_state(checkpoint["rng"])
     state.step, state.epoch = checkpoint["step"], checkpoint["epoch"]

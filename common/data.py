@@ -409,15 +409,14 @@ def load_mnist(root, synthetic, seed=0):
 
 
 def equal_batches(dataset_size, world_size, rank, batch_size):
-    """Batches of positions in rank `rank`'s slice of a data set (samples rank, rank + world_size, ...),
+    """Batches of the indices in rank `rank`'s slice of a data set (samples rank, rank + world_size, ...),
     at most `batch_size` long, and as many on every rank: a slice one sample shorter than another could
-    otherwise need one batch fewer."""
+    otherwise need one batch fewer. The slices are disjoint and cover the data set: each sample counts once."""
     if dataset_size < world_size:
         raise UsageError(f"the test set has {dataset_size} samples, fewer than the {world_size} replicas that share it")
     longest_slice = math.ceil(dataset_size / world_size)
     count = min(math.ceil(longest_slice / batch_size), dataset_size // world_size)
-    slice_size = len(range(rank, dataset_size, world_size))
-    return [positions.tolist() for positions in torch.arange(slice_size).tensor_split(count)]
+    return [indices.tolist() for indices in torch.arange(rank, dataset_size, world_size).tensor_split(count)]
 
 
 def pad_batch(images, labels, size):

@@ -110,8 +110,8 @@ def cases(tmp, port):
             (python("01_cifar10_cpu.py", "--data-dir", absent, *out), {}, {str(absent): "DIR"}),
         "a `--data-dir` that is a file":
             (python("02_cifar10_gpu.py", "--data-dir", a_file, *out), {}, {str(a_file): "FILE"}),
-        "more replicas than test samples in 05, 07 or 09–11 (a replica: a process; in 09 and 10, a group)":
-            (torchrun(3, "05_cifar10_deepspeed.py", *SHORT_RUN_ARGS, "--data-dir", tiny_cifar10(tmp / "tiny", 48, 2),
+        "more replicas than test samples in 04, 05 or 07–11 (a replica: a process; in 08–10, a group)":
+            (torchrun(3, "04_cifar10_ddp.py", *SHORT_RUN_ARGS, "--data-dir", tiny_cifar10(tmp / "tiny", 48, 2),
                       *out), {}, {}),
         "`--resume` with no checkpoint (01–04, 06)":
             (python("01_cifar10_cpu.py", *SYNTHETIC_ARGS, "--resume", *out), {}, {str(tmp / "out"): "DIR"}),
@@ -155,7 +155,7 @@ FULL_TIER_ROWS = {
     "`--tp-size` that does not divide the 4 attention heads (09)",
     "`--cp-size` that does not divide the 64 tokens (10)",
     "`--ep-size` that does not divide the `--experts` (11)",
-    "more replicas than test samples in 05, 07 or 09–11 (a replica: a process; in 09 and 10, a group)",
+    "more replicas than test samples in 04, 05 or 07–11 (a replica: a process; in 08–10, a group)",
     "the rendezvous port in use (torchrun)",
     "the rendezvous port in use (deepspeed)",
 }
