@@ -135,7 +135,8 @@ def train_one_epoch(context, state, loader):
 @torch.no_grad()
 def evaluate(context, model, loader):
     """Mean loss and accuracy over the whole test set; returns them and the number of samples."""
-    device, amp_dtype = context.device, context.amp_dtype  # [02]
+    device = context.device
+    amp_dtype = context.amp_dtype  # [02]
     model.eval()
     # The loss sum, the correct predictions, the samples.
     totals = torch.zeros(3, dtype=torch.float64, device=device)

@@ -206,7 +206,8 @@ def train_one_epoch(context, state, loader):
 @torch.no_grad()
 def evaluate(context, model, loader):
     """Mean loss and accuracy over the whole test set; returns them and the number of samples."""
-    device, amp_dtype = context.device, context.amp_dtype  # [02]
+    device = context.device
+    amp_dtype = context.amp_dtype  # [02]
     model.eval()
     # Rank 0's BatchNorm statistics on every rank: the forward passes below never sync buffers.
     distributed.broadcast_buffers(model)  # [04]
@@ -239,9 +240,8 @@ def save_checkpoint(context, state):
     })  # [05]
     # Our `latest`, not DeepSpeed's, which rank 0 writes before the other ranks have finished their
     # shards: after the final barrier, atomically (a crash mid-save leaves the previous one named).
-    if context.rank != 0:  # [04] what follows is the same on every rank: one writer
-        return  # [04]
-    utils.commit_checkpoint(directory, tag)  # [05]
+    if context.rank == 0:  # [05]
+        utils.commit_checkpoint(directory, tag)  # [05]
 
 
 def load_checkpoint(context, state):

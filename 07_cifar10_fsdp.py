@@ -189,7 +189,7 @@ def train_one_epoch(context, state, loader):
 @torch.no_grad()
 def evaluate(context, model, loader):
     """Mean loss and accuracy over the whole test set; returns them and the number of samples."""
-    device = context.device  # [07]
+    device = context.device
     model.eval()
     # Rank 0's BatchNorm statistics on every rank: the forward passes below never sync buffers.
     distributed.broadcast_buffers(model)  # [04]

@@ -202,9 +202,10 @@ def train_one_epoch(context, state, loader, schedule):  # [08]
 
 
 @torch.no_grad()
-def evaluate(context, model, loader, schedule):  # [08]
+def evaluate(context, stage, loader, schedule):  # [08] this rank's stage, not a model
     """Mean loss and accuracy over the whole test set; returns them and the number of samples."""
-    device, amp_dtype, stage = context.device, context.amp_dtype, model  # [08] the stage
+    device = context.device
+    amp_dtype = context.amp_dtype  # [02]
     batch_size = context.args.batch_size // context.mesh["dp"].size()  # [08] the training batch's
     stage.submod.eval()  # [08]
     # The first replica's BatchNorm statistics in every replica, the ones that model.pt keeps.

@@ -231,7 +231,7 @@ def train_one_epoch(context, state, loader):
 @torch.no_grad()
 def evaluate(context, model, loader):
     """Mean loss and accuracy over the whole test set; returns them and the number of samples."""
-    device = context.device  # [07]
+    device = context.device
     model.eval()
     # The loss sum, the correct predictions, the samples.
     totals = torch.zeros(3, dtype=torch.float64, device=device)
