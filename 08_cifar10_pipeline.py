@@ -59,7 +59,6 @@ def main():
             return
 
     record = utils.RunRecord(__file__, context, len(train_loader),  # [08]
-                             stages=context.mesh["pp"].size(),  # [08]
                              microbatches=args.microbatches, schedule=args.schedule)  # [08]
     for epoch in range(state.epoch, args.epochs):  # from the checkpoint's epoch if resumed
         state.epoch = epoch

@@ -66,8 +66,7 @@ def main():
         if utils.finished(args.output_dir, state.step, last_step):  # run again after its end
             return
 
-    record = utils.RunRecord(__file__, context, len(train_loader),  # [09]
-                             tp_size=context.mesh["tp"].size())  # [09]
+    record = utils.RunRecord(__file__, context, len(train_loader))
     for epoch in range(state.epoch, args.epochs):  # from the checkpoint's epoch if resumed
         state.epoch = epoch
         sampler.set_epoch(epoch)  # a new order each epoch, or epoch 0's forever

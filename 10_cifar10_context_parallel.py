@@ -59,8 +59,7 @@ def main():
         if utils.finished(args.output_dir, state.step, last_step):  # run again after its end
             return
 
-    record = utils.RunRecord(__file__, context, len(train_loader),  # [09]
-                             cp_size=context.mesh["cp"].size())  # [10]
+    record = utils.RunRecord(__file__, context, len(train_loader))
     for epoch in range(state.epoch, args.epochs):  # from the checkpoint's epoch if resumed
         state.epoch = epoch
         sampler.set_epoch(epoch)  # a new order each epoch, or epoch 0's forever

@@ -61,8 +61,7 @@ def main():
         if utils.finished(args.output_dir, state.step, last_step):  # run again after its end
             return
 
-    record = utils.RunRecord(__file__, context, len(train_loader),  # [09]
-                             ep_size=context.mesh["ep"].size(), top_k=args.top_k)  # [11]
+    record = utils.RunRecord(__file__, context, len(train_loader), top_k=args.top_k)  # [11]
     for epoch in range(state.epoch, args.epochs):  # from the checkpoint's epoch if resumed
         state.epoch = epoch
         sampler.set_epoch(epoch)  # a new order each epoch, or epoch 0's forever

@@ -461,14 +461,19 @@ class RunRecord:
     settings, its last epoch's results, and its throughput, training samples per second over the timed spans
     (evaluation excluded).
 
-    `settings` are the run's own (05's ZeRO stage, 08's stages...); `steps_per_epoch` counts optimizer steps."""
+    The settings hold the parallel layout of a step with a device mesh (08's stages, 09-11's group sizes) and
+    `settings`, the run's own (05's ZeRO stage, 08's micro-batches...); `steps_per_epoch` counts optimizer steps."""
+
+    # The metrics' names of a device mesh's dimensions; "dp", "edp": the replicas, which world_size implies.
+    LAYOUT = {"pp": "stages", "tp": "tp_size", "cp": "cp_size", "ep": "ep_size"}
 
     def __init__(self, script, context, steps_per_epoch, data="cifar10", **settings):
-        args = context.args
+        args, names = context.args, context.mesh.mesh_dim_names if context.mesh is not None else ()
+        layout = {self.LAYOUT[name]: context.mesh[name].size() for name in names if name in self.LAYOUT}
         self.epochs, self.steps_per_epoch, self.batch_size = args.epochs, steps_per_epoch, args.batch_size
         self.settings = {"script": os.path.basename(script), "data": "synthetic" if args.synthetic else data,
                          "device": context.device.type, "amp": getattr(args, "amp", "none"),
-                         "world_size": context.world_size, **settings, "global_batch_size": args.batch_size}
+                         "world_size": context.world_size, **layout, **settings, "global_batch_size": args.batch_size}
         self.history, self.step, self.test_samples = [], 0, 0
         self.samples, self.seconds, self._started = 0, 0.0, None
         self.start_time = time.perf_counter()
