@@ -205,16 +205,17 @@ def evaluate(context, stage, loader, schedule):  # [08] this rank's stage, not a
     """Mean loss and accuracy over the whole test set; returns them and the number of samples."""
     device = context.device
     amp_dtype = context.amp_dtype  # [02]
-    batch_size = context.args.batch_size // context.mesh["dp"].size()  # [08] the training batch's
+    # One shape for every batch (the stages infer it once per evaluation): the training batch's,
+    # which the micro-batches divide, or the longest test batch if longer (1 sample per replica).
+    size = max(context.args.batch_size // context.mesh["dp"].size(), loader.largest_batch)  # [08]
     stage.submod.eval()  # [08]
     # The first replica's BatchNorm statistics in every replica, the ones that model.pt keeps.
     distributed.broadcast_buffers(stage.submod, group=context.mesh["dp"].get_group())  # [08]
     # The loss sum, the correct predictions, the samples.
     totals = torch.zeros(3, dtype=torch.float64, device=device)
     for images, labels in loader:
-        # Every batch keeps the first one's shape (inferred once per evaluation): pad the last one.
         count = len(labels)  # [08]
-        images, padded_labels = data.pad_batch(images, labels, batch_size)  # [08]
+        images, padded_labels = data.pad_batch(images, labels, size)  # [08] zeros up to that shape
         with torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None):  # [02]
             # Forward passes only (--tta: of the mirror images too); the last stage gets the logits.
             views = [images, images.flip(-1)] if context.args.tta else [images]  # [08]

@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
-from torch.utils.data import DistributedSampler, Subset
+from torch.utils.data import DistributedSampler
 
 from common import data, distributed, flags, models, utils
 
@@ -199,8 +199,8 @@ def main():
     sampler = DistributedSampler(train_set, num_replicas=world_size, rank=rank, seed=args.seed, drop_last=True)
     train_loader = data.BatchLoader(train_set, batch_size, sampler=sampler, drop_last=True, device=device,
                                     num_workers=args.num_workers)
-    test_loader = data.BatchLoader(Subset(test_set, range(rank, len(test_set), world_size)), batch_size,
-                                   device=device, num_workers=args.num_workers)
+    test_batches = data.equal_batches(len(test_set), world_size, rank, batch_size)  # 04's disjoint slices
+    test_loader = data.BatchLoader(test_set, batch_sampler=test_batches, device=device, num_workers=args.num_workers)
 
     # Another seed on every rank, on purpose: the replicas start different, and only the wrapper's
     # broadcast makes them equal. Rank 0's seed is 04's, so all ranks continue from 04's initial weights.

@@ -29,7 +29,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel
-from torch.utils.data import DistributedSampler, Subset
+from torch.utils.data import DistributedSampler
 
 from common import data, distributed, flags, models, utils
 
@@ -143,8 +143,8 @@ def train(args):
     sampler = DistributedSampler(train_set, num_replicas=world_size, rank=rank, seed=args.seed, drop_last=True)
     train_loader = data.BatchLoader(train_set, args.batch_size // world_size, sampler=sampler, drop_last=True,
                                     device=device, num_workers=args.num_workers)
-    test_loader = data.BatchLoader(Subset(test_set, range(rank, len(test_set), world_size)),
-                                   args.batch_size // world_size, device=device, num_workers=args.num_workers)
+    test_batches = data.equal_batches(len(test_set), world_size, rank, args.batch_size // world_size)  # as 04's
+    test_loader = data.BatchLoader(test_set, batch_sampler=test_batches, device=device, num_workers=args.num_workers)
     model = DistributedDataParallel(models.ResNet9().to(device), device_ids=[device] if device.type == "cuda" else None)
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9, nesterov=True, weight_decay=5e-4)
     total_steps = args.epochs * len(train_loader)

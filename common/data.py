@@ -210,6 +210,11 @@ class BatchLoader:
     def __len__(self):
         return len(self.loader)
 
+    @property
+    def largest_batch(self):
+        """The most samples that one of its batches holds (of a loader given its batches as a list)."""
+        return max(map(len, self.batch_range.batch_sampler))
+
     def __iter__(self):
         return self.batches(0, len(self))
 

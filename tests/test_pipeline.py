@@ -29,6 +29,16 @@ def test_pipeline_step(nproc, args, stages, tmp_path):
 
 
 @pytest.mark.full
+def test_one_sample_per_replica_evaluates_a_test_set_that_the_replicas_split_unevenly(tmp_path):
+    """2 replicas of one stage, 1 sample each per step: the 1,001 test samples split 501 and 500, in as many
+    batches on each replica, so that one batch of the first holds 2 samples, more than the training batch that
+    08 pads the others to. Every batch is padded to one shape, and every sample counted once."""
+    check_ok(run_job(torchrun(2, SCRIPT, *SYNTHETIC_ARGS, *SMALL_RESNET9, "--stages", 1, "--microbatches", 1,
+                              "--batch-size", 2, "--max-steps", 2, "--output-dir", tmp_path), timeout=300))
+    assert read_metrics(tmp_path)["test_samples"] == 1001
+
+
+@pytest.mark.full
 def test_eight_processes_default_to_4_stages_of_2_replicas(tmp_path):
     """The README's command on a node of 8 GPUs: the stages default to the most that divide the world size within
     ResNet-9's 5 blocks and the 4 micro-batches that 1F1B needs at least as many of. Small and one step: the
