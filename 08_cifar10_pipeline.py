@@ -180,8 +180,7 @@ def train_one_epoch(context, state, loader, schedule):  # [08]
         state.scheduler.step()
         state.step += 1
         # Only the last stage has a loss; the others add zeros, which the sum over ranks leaves out.
-        no_loss = torch.zeros((), device=device)  # [08]
-        loss = torch.stack(losses).mean() if stage.is_last else no_loss  # [08]
+        loss = torch.stack(losses).mean() if losses else torch.zeros((), device=device)  # [08]
         loss_sum += loss.detach()
         at_end = state.step == state.last_step
         stop = distributed.should_stop()  # [04] every rank, every step: none may stop alone
