@@ -230,7 +230,7 @@ def test_the_readme_stays_short():
 # The most lines each step's diff may change (README's diff column): so that the diff stays the lesson. 04, 05 and
 # 07 meet the targets that the issue "The diff is the lesson again" set (75, 130, 85); 06 (140), 08 (120) and 09
 # (110) are still above theirs, and hold today's count until they meet it.
-DIFF_LIMITS = {"02": 43, "03": 31, "04": 75, "05": 130, "06": 152, "07": 85, "08": 159, "09": 137, "10": 141,
+DIFF_LIMITS = {"02": 43, "03": 31, "04": 75, "05": 130, "06": 152, "07": 85, "08": 158, "09": 137, "10": 141,
                "11": 152}
 
 
