@@ -173,7 +173,7 @@ def train_one_epoch(context, state, loader, schedule):  # [08]
         with torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None):  # [02]
             # Every micro-batch's forward and backward, in the schedule's order; losses on the last.
             schedule.step(*[images] if stage.is_first else [], target=labels, losses=losses)  # [08]
-        # The replicas average their gradients, as DDP would (why not DDP: docs/pipeline-parallel.md).
+        # The replicas average their gradients as DDP would (not DDP: docs/pipeline-parallel.md).
         distributed.average_gradients(stage.submod, mesh["dp"].get_group())  # [08]
         state.optimizer.step()  # [08]
         state.scheduler.step()

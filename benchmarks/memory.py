@@ -5,19 +5,18 @@ context parallelism (10) and expert parallelism (11).
     python benchmarks/memory.py --json runs/memory.json --output docs/memory.png   # the table in docs/memory.md
     python benchmarks/memory.py --methods DDP ZeRO-2 --world-sizes 2               # some of it
 
-Each method's real step runs under torchrun (gloo on CPUs, NCCL on GPUs) at each world size, on the synthetic
-data, in fp32, with a global batch of 24, behind this file (`--worker`), which adds hooks that PyTorch calls
-for every torch optimizer (DeepSpeed's inner one and FSDP2's too) and every module. At the second optimizer
-step, when the first step's optimizer state exists and the second step's gradients are ready, each rank counts the
-tensors it holds, each storage once: the model's parameters as this rank holds them (its shard of a DTensor,
-its partition of a ZeRO-3 parameter), their gradients, and the optimizer's state. DeepSpeed's optimizer updates
-an fp32 copy of this rank's partition of the weights (master weights): counted with the optimizer state, as the
-ZeRO paper counts it, and reported apart too. Every other tensor that DeepSpeed's engine holds (reduce buckets,
-gradient partitions) is counted as a buffer, by the attribute that holds it; DDP's gradient buckets, as DDP
-reports them. The peak is the most memory in tensors during the second step, from the end of the first
-optimizer step to the end of the second: torch.cuda.max_memory_allocated on a GPU; on a CPU, PyTorch's
-FSDPMemTracker (07, 09-11) or MemTracker (the others), which follow the tensors counted above and every tensor
-that the step creates or touches.
+Each method's real step runs under torchrun (gloo on CPUs, NCCL on GPUs) at each world size, on the synthetic data,
+in fp32, with a global batch of 24, behind this file (`--worker`), which adds hooks that PyTorch calls for every
+torch optimizer (DeepSpeed's inner one too; 07 steps a plain one over FSDP2's shards) and every module. At the
+second optimizer step, when the first step's optimizer state exists and the second step's gradients are ready, each
+rank counts the tensors it holds, each storage once: the model's parameters as this rank holds them (its shard of a
+DTensor, its partition of a ZeRO-3 parameter), their gradients, and the optimizer's state. DeepSpeed's optimizer
+updates an fp32 copy of this rank's partition of the weights (master weights): counted with the optimizer state, as
+the ZeRO paper counts it, and reported apart too. Every other tensor that DeepSpeed's engine holds (reduce buckets,
+gradient partitions) is counted as a buffer, by the attribute that holds it; DDP's gradient buckets, as DDP reports
+them. The peak is the most memory in tensors during the second step, from the end of the first optimizer step to the
+end of the second: torch.cuda.max_memory_allocated on a GPU; on a CPU, PyTorch's FSDPMemTracker (07, 09-11) or
+MemTracker (the others), which follow the tensors counted above and every tensor that the step creates or touches.
 
 It prints a table, writes one record per method, world size and rank with --json, and draws the bytes per rank
 against the number of processes with --output, beside the ZeRO paper's formula for this model (docs/memory.md).
