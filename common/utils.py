@@ -468,7 +468,7 @@ class RunRecord:
     LAYOUT = {"pp": "stages", "tp": "tp_size", "cp": "cp_size", "ep": "ep_size"}
 
     def __init__(self, script, context, steps_per_epoch, data="cifar10", **settings):
-        args, names = context.args, context.mesh.mesh_dim_names if context.mesh is not None else ()
+        args, names = context.args, (context.mesh.mesh_dim_names or ()) if context.mesh is not None else ()
         layout = {self.LAYOUT[name]: context.mesh[name].size() for name in names if name in self.LAYOUT}
         self.epochs, self.steps_per_epoch, self.batch_size = args.epochs, steps_per_epoch, args.batch_size
         self.settings = {"script": os.path.basename(script), "data": "synthetic" if args.synthetic else data,

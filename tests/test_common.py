@@ -150,6 +150,27 @@ def test_synthetic_mnist_is_mnist_shaped():
     assert models.MnistCNN()(torch.stack([test_set[i][0] for i in range(2)])).shape == (2, 10)
 
 
+def test_the_run_record_takes_the_parallel_layout_from_the_mesh(monkeypatch):
+    """08-11 pass no layout of their own: the record reads its sizes from the device mesh, in metrics.json's order
+    (the replicas' dimension, "dp" or "edp", left out: the world size implies it)."""
+    monkeypatch.delenv("RANK", raising=False)
+    sizes = {"pp": 2, "dp": 3}
+
+    class Mesh:  # a DeviceMesh's names and sizes, without a process group
+        mesh_dim_names = tuple(sizes)
+
+        def __getitem__(self, name):
+            return types.SimpleNamespace(size=lambda: sizes[name])
+
+    args = argparse.Namespace(epochs=1, synthetic=True, batch_size=24, amp="none")
+    context = utils.Context(args, torch.device("cpu"), world_size=6, mesh=Mesh())
+    record = utils.RunRecord("/any/08_cifar10_pipeline.py", context, 10, microbatches=4, schedule="1f1b")
+    assert record.settings == {"script": "08_cifar10_pipeline.py", "data": "synthetic", "device": "cpu",
+                               "amp": "none", "world_size": 6, "stages": 2, "microbatches": 4, "schedule": "1f1b",
+                               "global_batch_size": 24}
+    assert list(record.settings)[4:8] == ["world_size", "stages", "microbatches", "schedule"]
+
+
 def test_the_run_record_prints_rank_0s_lines_and_holds_metrics_jsons_contents(capsys, monkeypatch):
     monkeypatch.delenv("RANK", raising=False)  # rank 0, as in one process without a launcher
     args = argparse.Namespace(epochs=3, synthetic=True, batch_size=24, amp="bf16")

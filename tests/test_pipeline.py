@@ -30,11 +30,13 @@ def test_pipeline_step(nproc, args, stages, tmp_path):
 
 @pytest.mark.full
 def test_one_sample_per_replica_evaluates_a_test_set_that_the_replicas_split_unevenly(tmp_path):
-    """2 replicas of one stage, 1 sample each per step: the 1,001 test samples split 501 and 500, in as many
-    batches on each replica, so that one batch of the first holds 2 samples, more than the training batch that
-    08 pads the others to. Every batch is padded to one shape, and every sample counted once."""
-    check_ok(run_job(torchrun(2, SCRIPT, *SYNTHETIC_ARGS, *SMALL_RESNET9, "--stages", 1, "--microbatches", 1,
-                              "--batch-size", 2, "--max-steps", 2, "--output-dir", tmp_path), timeout=300))
+    """2 replicas of 2 stages, 1 sample each per step: the 1,001 test samples split 501 and 500, in as many
+    batches on each replica, so that one batch of the first holds 2 samples, more than the training batch. Each
+    replica pads every batch to one shape, which its second stage receives (a batch of another shape would not
+    fit the buffer that the stage sized from the first), and every sample is counted once."""
+    check_ok(run_job(torchrun(4, SCRIPT, *SYNTHETIC_ARGS, *SMALL_RESNET9, "--stages", 2, "--microbatches", 1,
+                              "--schedule", "gpipe", "--batch-size", 2, "--max-steps", 2, "--output-dir", tmp_path),
+                     timeout=300))
     assert read_metrics(tmp_path)["test_samples"] == 1001
 
 
