@@ -47,10 +47,10 @@ class DataParallelFromScratch(nn.Module):
     the training loop is the one written for torch's DDP. Inside `no_sync()`, gradients only accumulate.
     """
 
-    def __init__(self, module, bucket_cap_mb=25.0, broadcast_buffers=True):
+    def __init__(self, module, bucket_cap_mb=25.0, forward_sync_buffers=True):
         super().__init__()
         self.module = module
-        self.broadcast_buffers = broadcast_buffers
+        self.forward_sync_buffers = forward_sync_buffers
         self.world_size = dist.get_world_size()
         self.require_sync = True  # False inside no_sync()
         self.all_reduces = 0  # launched so far
@@ -89,7 +89,7 @@ class DataParallelFromScratch(nn.Module):
             dist.broadcast(tensor, src=0)
 
     def forward(self, *inputs, **kwargs):
-        if self.broadcast_buffers and self.buffers_may_differ:
+        if self.forward_sync_buffers and self.buffers_may_differ:
             # Buffers get no gradient, so nothing averages them: each rank's BatchNorm has updated its running
             # statistics from its own share of the batch. As torch's DDP does, every rank takes rank 0's
             # before the next forward: the next training step's, or the first evaluation batch's.
