@@ -120,7 +120,7 @@ def setup(args):
     dist.init_process_group(backend, timeout=distributed.TIMEOUT,  # [04]
                             device_id=device if backend == "nccl" else None)  # [04] NCCL: its GPU
     # rank = replica x tp_size + tp rank: a group's ranks are neighbours, on one machine, since
-    # every layer communicates within the group; only FSDP2's few collectives cross machines.
+    # every layer communicates within the group; FSDP2's and a few small all-reduces cross machines.
     mesh = init_device_mesh(device.type, (replicas, tp_size), mesh_dim_names=("dp", "tp"))  # [09]
     return utils.Context(args, device, amp_dtype=flags.AMP_DTYPES[args.amp], mesh=mesh)  # [09]
 

@@ -1,6 +1,6 @@
 """One data pipeline for every step: images as uint8 tensors in memory, cheap augmentation.
 
-CIFAR-10 for steps 01-05 and 07-10, MNIST for step 06; both through torchvision, both with a generated
+CIFAR-10 for steps 01-05 and 07-11, MNIST for step 06; both through torchvision, both with a generated
 stand-in of the same shape (`--synthetic`).
 
 Determinism is the point of this module. The order of the training samples depends only on the
