@@ -96,8 +96,8 @@ def setup(args):
     local_rank, world_size = (int(os.environ[key]) for key in ("LOCAL_RANK", "WORLD_SIZE"))  # [04]
     # A step skipped for an overflow must be skipped by every rank of a group.
     if args.amp == "fp16":  # [09]
-        raise utils.UsageError("--amp fp16: 11 has no loss scaling across expert-parallel "  # [11]
-                               "ranks; use --amp bf16")  # [11]
+        raise utils.UsageError("--amp fp16: 11 trains without a loss scaler, as 09 and "  # [11]
+                               "10 do; use --amp bf16")  # [11]
     ep_size, copies = distributed.expert_parallel_layout(args, world_size)  # [11]
     if not args.synthetic:
         data.download_cifar10(args.data_dir)

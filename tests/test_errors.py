@@ -87,7 +87,7 @@ def cases(tmp, port):
             (python("10_cifar10_context_parallel.py", *SYNTHETIC_ARGS, "--cp-size", 2, *out), {}, {}),
         "`--cp-size` that does not divide the 64 tokens (10)":
             (torchrun(3, "10_cifar10_context_parallel.py", *SYNTHETIC_ARGS, "--cp-size", 3, *out), {}, {}),
-        "`--amp fp16` in 11 (no loss scaling across expert-parallel ranks)":
+        "`--amp fp16` in 11 (no loss scaler, as in 09 and 10)":
             (python("11_cifar10_expert_parallel.py", *SYNTHETIC_ARGS, "--amp", "fp16", *out), {}, {}),
         "`--ep-size` that does not divide the world size (11)":
             (python("11_cifar10_expert_parallel.py", *SYNTHETIC_ARGS, "--ep-size", 2, *out), {}, {}),
