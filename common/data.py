@@ -416,7 +416,9 @@ def load_mnist(root, synthetic, seed=0):
 def equal_batches(dataset_size, world_size, rank, batch_size):
     """Batches of the indices in rank `rank`'s slice of a data set (samples rank, rank + world_size, ...),
     at most `batch_size` long, and as many on every rank: a slice one sample shorter than another could
-    otherwise need one batch fewer. The slices are disjoint and cover the data set: each sample counts once."""
+    otherwise need one batch fewer. None is empty, so at a `batch_size` of 1 with slices of unequal length one
+    batch holds 2 samples (08 pads to `BatchLoader.largest_batch`). The slices are disjoint and cover the data
+    set: each sample counts once."""
     if dataset_size < world_size:
         raise UsageError(f"the test set has {dataset_size} samples, fewer than the {world_size} replicas that share it")
     longest_slice = math.ceil(dataset_size / world_size)
